@@ -1,0 +1,167 @@
+"""One configuration object for the whole cache, from a TOML/JSON file, the environment
+(``HYBRIDKV_<FIELD>``) and CLI flags, in that order of precedence (flags win).
+
+Everything is validated here, at start-up, so a bad value fails before any byte is stored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from hybridkv.errors import HybridKVError
+from hybridkv.sizes import parse_size
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+EVICTION_POLICIES = ("lru", "arc")
+DURABILITY = ("none", "fsync")
+
+
+def parse_retention(value) -> int | None:
+    """``dense``/``none`` -> None (a state at every boundary); else tokens >= 0."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in ("dense", "none", "null"):
+            return None
+        try:
+            value = int(text)
+        except ValueError:
+            raise HybridKVError(
+                f"retention: cannot read {value!r}; use dense, 0 (semantic) or a token interval"
+            ) from None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise HybridKVError(f"retention: {value!r} is invalid; use dense, 0 or a positive interval")
+    return value
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_tokens: int = 64
+    ram_bytes: int = 256 * 1024**2
+    eviction: str = "lru"
+    retention: int | None = 0
+    reference_tokens: int | None = None
+    ram_dir: str = "/dev/shm"
+    store: str | None = None
+    fs_bytes: int | None = None
+    durability: str = "none"
+    remote: str | None = None
+    remote_prefix: str = "hybridkv"
+    remote_ttl_s: int | None = None
+    remote_timeout_s: float = 0.5
+    store_decode: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.block_tokens, bool) or not isinstance(self.block_tokens, int) or self.block_tokens <= 0:
+            raise HybridKVError(f"block_tokens must be a positive integer, got {self.block_tokens!r}")
+        if self.ram_bytes <= 0:
+            raise HybridKVError("ram_bytes must be > 0; give the RAM tier a budget such as 1GiB")
+        if self.eviction not in EVICTION_POLICIES:
+            raise HybridKVError(f"eviction {self.eviction!r} is unknown; use lru or arc")
+        if self.retention is not None and self.retention % self.block_tokens:
+            raise HybridKVError(
+                f"retention {self.retention} is not a multiple of block_tokens {self.block_tokens}; "
+                f"use 0, dense or a multiple such as {self.block_tokens * 8}"
+            )
+        if self.reference_tokens is not None and self.reference_tokens < self.block_tokens:
+            raise HybridKVError(
+                f"reference_tokens {self.reference_tokens} is shorter than one block "
+                f"({self.block_tokens}); use a typical request length"
+            )
+        if self.durability not in DURABILITY:
+            raise HybridKVError(f"durability {self.durability!r} is unknown; use none or fsync")
+        if self.fs_bytes is not None and self.fs_bytes <= 0:
+            raise HybridKVError("fs_bytes must be > 0; or leave it out for an unbounded store")
+        if self.remote is not None and not self.remote.startswith(("redis://", "rediss://", "unix://")):
+            raise HybridKVError(
+                f"remote {self.remote!r} is not a Redis URL; use redis://host:6379/0 or rediss://..."
+            )
+        if self.remote_timeout_s <= 0:
+            raise HybridKVError("remote_timeout_s must be > 0 seconds")
+
+    def replace(self, **changes) -> CacheConfig:
+        return dataclasses.replace(self, **changes)
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(CacheConfig)}
+_SIZE_FIELDS = ("ram_bytes", "fs_bytes")
+_INT_FIELDS = ("block_tokens", "reference_tokens", "remote_ttl_s")
+
+
+def _coerce(name: str, value):
+    """Turn file/env/flag text into the field's type with a message naming the field."""
+    if value is None:
+        return None
+    if name in _SIZE_FIELDS:
+        return parse_size(value, name)
+    if name == "retention":
+        return parse_retention(value)
+    if name in _INT_FIELDS:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        try:
+            return int(str(value))
+        except ValueError:
+            raise HybridKVError(f"{name}: expected an integer, got {value!r}") from None
+    if name == "remote_timeout_s":
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise HybridKVError(f"{name}: expected seconds, got {value!r}") from None
+    if name == "store_decode":
+        if isinstance(value, bool):
+            return value
+        text = str(value).lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise HybridKVError(f"{name}: expected true or false, got {value!r}")
+    return str(value)
+
+
+def read_config_file(path: str | Path) -> dict:
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise HybridKVError(f"cannot read config file {path}: {e.strerror}") from None
+    try:
+        raw = tomllib.loads(data.decode()) if path.suffix == ".toml" else json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise HybridKVError(f"config file {path} is malformed: {e}") from None
+    if not isinstance(raw, dict):
+        raise HybridKVError(f"config file {path} must hold a table/object of settings")
+    return raw
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: dict | None = None,
+    environ: dict | None = None,
+) -> CacheConfig:
+    """Merge file < environment < overrides (None values in overrides are ignored)."""
+    values: dict = {}
+    if path is not None:
+        values.update(read_config_file(path))
+    env = os.environ if environ is None else environ
+    for name in _FIELDS:
+        key = f"HYBRIDKV_{name.upper()}"
+        if key in env:
+            values[name] = env[key]
+    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    unknown = set(values) - set(_FIELDS)
+    if unknown:
+        raise HybridKVError(
+            f"unknown config setting(s) {sorted(unknown)}; known: {', '.join(sorted(_FIELDS))}"
+        )
+    return CacheConfig(**{k: _coerce(k, v) for k, v in values.items()})

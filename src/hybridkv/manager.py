@@ -1,0 +1,126 @@
+"""Routes keys to their group's pool and makes multi-group stores atomic.
+
+A store spanning groups first asks every pool whether it can place its keys and only then
+reserves anything, so a refusal never evicts a page in another group for nothing (vLLM
+rolls back reservations but its evictions are already done).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Mapping, Sequence
+
+from hybridkv.pool import Lookup, SlotPool, StorePlan
+
+log = logging.getLogger(__name__)
+
+GroupKeys = Mapping[int, Sequence]
+
+
+class GroupedManager:
+    def __init__(self, slots_per_group: Mapping[int, int], policy: str = "lru"):
+        self.pools: dict[int, SlotPool] = {
+            gid: SlotPool(gid, n, policy) for gid, n in slots_per_group.items()
+        }
+        self._request_pins: dict[str, Counter] = {}
+
+    def pool(self, group_id: int) -> SlotPool:
+        return self.pools[group_id]
+
+    def lookup(self, group_id: int, key) -> Lookup:
+        return self.pools[group_id].lookup(key)
+
+    def touch(self, keys: GroupKeys) -> None:
+        for gid, ks in keys.items():
+            self.pools[gid].touch(ks)
+
+    # -- loads: pins are remembered per request so a finished request never leaks one ----
+    def prepare_load(self, keys: GroupKeys, request: str | None = None) -> dict[int, list[int]]:
+        done: list[tuple[int, Sequence]] = []
+        try:
+            slots = {}
+            for gid, ks in keys.items():
+                slots[gid] = self.pools[gid].prepare_load(ks)
+                done.append((gid, ks))
+        except KeyError:
+            for gid, ks in done:
+                self.pools[gid].complete_load(ks)
+            raise
+        if request is not None:
+            pins = self._request_pins.setdefault(request, Counter())
+            for gid, ks in keys.items():
+                for k in ks:
+                    pins[(gid, k)] += 1
+        return slots
+
+    def complete_load(self, keys: GroupKeys, request: str | None = None) -> None:
+        for gid, ks in keys.items():
+            self.pools[gid].complete_load(ks)
+        pins = self._request_pins.get(request) if request is not None else None
+        if pins is not None:
+            for gid, ks in keys.items():
+                for k in ks:
+                    pins[(gid, k)] -= 1
+                    if pins[(gid, k)] <= 0:
+                        del pins[(gid, k)]
+
+    # -- stores ----------------------------------------------------------------------------
+    def prepare_store(self, keys: GroupKeys) -> dict[int, StorePlan] | None:
+        """All groups place their keys, or none does (None = retry later, nothing changed)."""
+        news = {gid: self.pools[gid].new_keys(ks) for gid, ks in keys.items()}
+        for gid, ks in keys.items():
+            if not self.pools[gid].can_place(ks, news[gid]):
+                self.pools[gid].stats.store_refusals += 1
+                return None
+        plans = {}
+        for gid, ks in keys.items():
+            plan = self.pools[gid].prepare_store(ks)
+            if plan is None:  # cannot happen after can_place; keep the promise anyway
+                for done_gid, done in plans.items():
+                    self.pools[done_gid].complete_store(done.keys, success=False)
+                return None
+            plans[gid] = plan
+        return plans
+
+    def complete_store(self, keys: GroupKeys, success: bool = True) -> None:
+        for gid, ks in keys.items():
+            self.pools[gid].complete_store(ks, success)
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def request_started(self, request: str) -> None:
+        self._request_pins.setdefault(request, Counter())
+
+    def request_finished(self, request: str) -> int:
+        """Release pins the request still holds; returns how many were leaked."""
+        pins = self._request_pins.pop(request, None)
+        if not pins:
+            return 0
+        leaked = 0
+        for (gid, key), n in pins.items():
+            for _ in range(n):
+                self.pools[gid].complete_load([key])
+            leaked += n
+        log.warning("request %s finished holding %d pins; released", request, leaked)
+        return leaked
+
+    def end_of_step(self) -> list[tuple[str, int, object]]:
+        """Collect the step's stored/removed events from every pool."""
+        return self.take_events()
+
+    def take_events(self) -> list[tuple[str, int, object]]:
+        events = []
+        for pool in self.pools.values():
+            events.extend(pool.take_events())
+        return events
+
+    def stats(self) -> dict[int, dict]:
+        return {gid: pool.snapshot_stats() for gid, pool in self.pools.items()}
+
+    def reset(self) -> None:
+        for pool in self.pools.values():
+            pool.reset()
+
+    def shutdown(self) -> None:
+        for request in list(self._request_pins):
+            self.request_finished(request)

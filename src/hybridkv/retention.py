@@ -1,0 +1,137 @@
+"""Which recurrent states are kept, and how deep a prompt can be restored.
+
+This module is the single place that decides hit lengths (DESIGN §4) and retained
+boundaries (DESIGN §5); the connector and the simulator both call it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from hybridkv.errors import HybridKVError
+from hybridkv.layout import Group
+
+
+def replay_boundary(n_tokens: int, block_tokens: int) -> int:
+    """Deepest boundary a repeat of the prompt can resume from (the last token is recomputed)."""
+    return max(0, (n_tokens - 1) // block_tokens * block_tokens)
+
+
+@dataclass(frozen=True)
+class Retention:
+    """``interval``: None = dense, 0 = semantic (replay + junctions), N = semantic + every N."""
+
+    block_tokens: int
+    interval: int | None = 0
+
+    def __post_init__(self):
+        if self.interval is not None and (self.interval < 0 or self.interval % self.block_tokens):
+            raise HybridKVError(
+                f"retention {self.interval} is not a multiple of the block size {self.block_tokens}; "
+                f"use 0, dense or e.g. {8 * self.block_tokens}"
+            )
+
+    @property
+    def dense(self) -> bool:
+        return self.interval is None
+
+    def keeps(self, boundary: int, n_tokens: int, junction: int | None = None) -> bool:
+        """O(1): is a state kept at ``boundary`` for a prompt of ``n_tokens``?"""
+        B = self.block_tokens
+        replay = replay_boundary(n_tokens, B)
+        if boundary <= 0 or boundary % B or boundary > replay:
+            return False
+        if self.interval is None or boundary in (replay, junction):
+            return True
+        return self.interval > 0 and boundary % self.interval == 0
+
+    def kept_boundaries(self, n_tokens: int, junction: int | None = None) -> list[int]:
+        """Every kept boundary of one request, ascending (range arithmetic, no per-block loop)."""
+        B = self.block_tokens
+        replay = replay_boundary(n_tokens, B)
+        if replay <= 0:
+            return []
+        if self.interval is None:
+            return list(range(B, replay + 1, B))
+        kept = set(range(self.interval, replay + 1, self.interval)) if self.interval else set()
+        kept.add(replay)
+        if junction is not None and 0 < junction <= replay and junction % B == 0:
+            kept.add(junction)
+        return sorted(kept)
+
+    def states_per_prompt(self, n_tokens: int) -> int:
+        """k(R): states kept for one prompt of R tokens without a junction."""
+        B = self.block_tokens
+        replay = replay_boundary(n_tokens, B)
+        if replay <= 0:
+            return 0
+        if self.interval is None:
+            return replay // B
+        if self.interval == 0:
+            return 1
+        periodic = replay // self.interval
+        return periodic + (0 if replay % self.interval == 0 else 1)
+
+
+@dataclass(frozen=True)
+class Hit:
+    """``tokens``: restorable prefix; ``attention_tokens``: how deep token groups alone reach;
+    ``junction``: set when attention reaches deeper than any stored state (store a state there)."""
+
+    tokens: int
+    attention_tokens: int
+    junction: int | None
+
+
+Present = Callable[[int, int], bool]   # (group id, block index) -> is the page there?
+
+
+def _deepest_state(gid: int, candidate_blocks: int, present: Present) -> int:
+    """Deepest block count c <= candidate with the state at boundary c (key of block c-1)."""
+    c = candidate_blocks
+    while c > 0 and not present(gid, c - 1):
+        c -= 1
+    return c
+
+
+def _deepest_window(gid: int, window_blocks: int, candidate_blocks: int, present: Present) -> int:
+    """Deepest c <= candidate whose last ``window_blocks`` blocks are all present."""
+    c = candidate_blocks
+    while c > 0:
+        missing = next((i for i in range(c - 1, max(0, c - window_blocks) - 1, -1)
+                        if not present(gid, i)), None)
+        if missing is None:
+            return c
+        c = missing
+    return 0
+
+
+def _fixed_point(groups: Sequence[Group], cap_blocks: int, B: int, present: Present) -> int:
+    c = cap_blocks
+    for g in groups:
+        if g.kind == "attention":
+            prefix = 0
+            while prefix < c and present(g.id, prefix):
+                prefix += 1
+            c = prefix
+    while True:
+        before = c
+        for g in groups:
+            if g.kind == "sliding_window":
+                c = _deepest_window(g.id, -(-g.window_tokens // B), c, present)
+            elif g.kind == "state":
+                c = _deepest_state(g.id, c, present)
+        if c == before:
+            return c
+
+
+def compute_hit(groups: Sequence[Group], n_tokens: int, block_tokens: int, present: Present) -> Hit:
+    """The hybrid hit rule of DESIGN §4 as a fixed point, capped at the replay boundary."""
+    cacheable = [g for g in groups if g.cacheable]
+    cap = replay_boundary(n_tokens, block_tokens) // block_tokens
+    hit = _fixed_point(cacheable, cap, block_tokens, present)
+    token_groups = [g for g in cacheable if g.is_token_group]
+    attention = _fixed_point(token_groups, cap, block_tokens, present) if token_groups else hit
+    junction = attention * block_tokens if attention > hit else None
+    return Hit(hit * block_tokens, attention * block_tokens, junction)

@@ -1,0 +1,72 @@
+import pytest
+
+from hybridkv.config import CacheConfig, load_config, parse_retention
+from hybridkv.errors import HybridKVError
+from hybridkv.sizes import parse_size
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("4GiB", 4 * 1024**3), ("512MB", 512 * 1000**2), ("1.5 GiB", int(1.5 * 1024**3)),
+    ("1048576", 1048576), (4096, 4096), ("10k", 10000), ("2mib", 2 * 1024**2),
+])
+def test_sizes(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("4XB", "unknown unit"), ("-3GiB", "cannot read"), ("lots", "cannot read"), (True, "expected a size"),
+])
+def test_bad_sizes(text, fragment):
+    with pytest.raises(HybridKVError, match=fragment):
+        parse_size(text, "ram_bytes")
+
+
+def test_file_env_and_overrides_precedence(tmp_path):
+    toml = tmp_path / "cache.toml"
+    toml.write_text('block_tokens = 128\nram_bytes = "1GiB"\neviction = "arc"\nretention = "dense"\n')
+    cfg = load_config(toml, environ={})
+    assert (cfg.block_tokens, cfg.ram_bytes, cfg.eviction, cfg.retention) == (128, 1024**3, "arc", None)
+    cfg = load_config(toml, environ={"HYBRIDKV_RAM_BYTES": "2GiB", "HYBRIDKV_RETENTION": "1024"})
+    assert cfg.ram_bytes == 2 * 1024**3 and cfg.retention == 1024
+    cfg = load_config(toml, overrides={"ram_bytes": "64MiB", "eviction": None},
+                      environ={"HYBRIDKV_RAM_BYTES": "2GiB"})
+    assert cfg.ram_bytes == 64 * 1024**2 and cfg.eviction == "arc"
+
+
+def test_json_config(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text('{"store": "/tmp/x", "fs_bytes": "10GB", "store_decode": "yes"}')
+    cfg = load_config(path, environ={})
+    assert cfg.store == "/tmp/x" and cfg.fs_bytes == 10 * 1000**3 and cfg.store_decode is True
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    ({"retention": 100}, "not a multiple of block_tokens 64"),
+    ({"eviction": "fifo"}, "eviction 'fifo' is unknown"),
+    ({"ram_bytes": "0"}, "ram_bytes must be > 0"),
+    ({"block_tokens": "x"}, "block_tokens: expected an integer"),
+    ({"durability": "maybe"}, "durability 'maybe'"),
+    ({"remote": "http://x"}, "not a Redis URL"),
+    ({"reference_tokens": 10}, "shorter than one block"),
+    ({"colour": "red"}, "unknown config setting(s) ['colour']"),
+    ({"retention": "sometimes"}, "retention: cannot read"),
+])
+def test_config_errors(overrides, fragment):
+    with pytest.raises(HybridKVError) as info:
+        load_config(overrides=overrides, environ={})
+    assert fragment in str(info.value)
+
+
+def test_malformed_config_file(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("block_tokens = = 3")
+    with pytest.raises(HybridKVError, match="malformed"):
+        load_config(path, environ={})
+
+
+def test_retention_parsing():
+    assert parse_retention("dense") is None and parse_retention("0") == 0
+    assert parse_retention(512) == 512
+    with pytest.raises(HybridKVError):
+        parse_retention(-64)
+    assert CacheConfig().retention == 0

@@ -1,0 +1,95 @@
+import pytest
+from conftest import LAYOUTS, assert_one_line_error, run_cli
+
+from hybridkv.errors import HybridKVError
+from hybridkv.layout import layout_from_dict, load_layout
+from hybridkv.planner import plan_pools
+
+GiB = 1024**3
+
+
+@pytest.mark.parametrize("retention, reference, tokens, states", [
+    (None, None, 107, 107), (6272, None, 280, 48), (0, None, 390, 10), (0, 16384, 326, 32),
+])
+def test_seed_table(retention, reference, tokens, states):
+    plan = plan_pools(load_layout(LAYOUTS / "seed-flash-next.json"), 4 * GiB, retention, reference)
+    assert plan.token_slots == tokens
+    assert [g.slots for g in plan.groups] == [tokens, 0, states, states, states, states]
+    assert plan.bytes_used <= 4 * GiB
+
+
+def test_sparse_never_fewer_token_slots_than_dense_and_monotone_in_budget():
+    for path in LAYOUTS.glob("*.json"):
+        layout = load_layout(path)
+        previous = 0
+        for gib in (1, 2, 4, 8, 16, 64):
+            dense = plan_pools(layout, gib * GiB, None, 32768)
+            sparse = plan_pools(layout, gib * GiB, 0, 32768)
+            assert sparse.token_slots >= dense.token_slots
+            assert sparse.token_slots >= previous
+            previous = sparse.token_slots
+            assert all(g.slots == dense.token_slots for g in dense.groups if g.kind == "state")
+
+
+def test_offload_block_larger_than_engine_block_refused_under_sparse():
+    layout = load_layout(LAYOUTS / "seed-flash-next.json")
+    with pytest.raises(HybridKVError, match="larger than the engine block"):
+        plan_pools(layout, 4 * GiB, 0, engine_block_tokens=392)
+    assert plan_pools(layout, 4 * GiB, None, engine_block_tokens=392).token_slots == 107
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    ({"budget_bytes": 1000}, "cannot hold one slot per cacheable group"),
+    ({"reference_tokens": 100}, "shorter than one block"),
+    ({"retention": 1000}, "not a multiple"),
+])
+def test_validation(kwargs, fragment):
+    layout = load_layout(LAYOUTS / "seed-flash-next.json")
+    args = {"budget_bytes": 4 * GiB, "retention": 0, "reference_tokens": None} | kwargs
+    with pytest.raises(HybridKVError, match=fragment):
+        plan_pools(layout, **args)
+
+
+def test_no_cacheable_group():
+    layout = layout_from_dict({"model": "m", "block_tokens": 64,
+                               "groups": [{"id": 0, "kind": "scratch", "page_bytes": 4}]})
+    with pytest.raises(HybridKVError, match="no cacheable group"):
+        plan_pools(layout, GiB, 0, 4096)
+
+
+def test_cli_plan_json():
+    import json
+    proc = run_cli("plan", "--layout", LAYOUTS / "seed-flash-next.json", "--budget", "4GiB", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["token_slots"] == 390 and out["retention"] == 0 and out["reference_tokens"] == 65536
+    assert [g["slots"] for g in out["groups"]] == [390, 0, 10, 10, 10, 10]
+    assert out["contexts"] == pytest.approx(390 * 784 / 65536)
+    proc = run_cli("plan", "--layout", LAYOUTS / "seed-flash-next.json", "--budget", "4GiB",
+                   "--retention", "dense", "--json")
+    assert json.loads(proc.stdout)["retention"] is None
+
+
+def test_cli_plan_table():
+    proc = run_cli("plan", "--layout", LAYOUTS / "granite-4.0-h-small.json", "--budget", "8GiB")
+    assert proc.returncode == 0
+    assert "token slots" in proc.stdout and "state" in proc.stdout
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--budget", "4GiB", "--retention", "100"], "not a multiple"),
+    (["--budget", "10"], "cannot hold one slot"),
+    (["--budget", "4GiB", "--reference-tokens", "10"], "shorter than one block"),
+    (["--budget", "4GiB", "--engine-block-tokens", "392"], "larger than the engine block"),
+    (["--budget", "four"], "--budget: cannot read"),
+])
+def test_cli_plan_errors(args, fragment):
+    proc = run_cli("plan", "--layout", LAYOUTS / "seed-flash-next.json", *args)
+    assert_one_line_error(proc, fragment)
+
+
+def test_cli_bad_layout_file(tmp_path):
+    bad = tmp_path / "l.json"
+    bad.write_text('{"model": "m", "block_tokens": 64, "groups": [{"id": 0, "kind": "mamba", "page_bytes": 1}]}')
+    assert_one_line_error(run_cli("plan", "--layout", bad, "--budget", "1GiB"), "groups[0].kind")
+    assert_one_line_error(run_cli("plan", "--budget", "1GiB"), "--layout")

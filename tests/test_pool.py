@@ -1,0 +1,238 @@
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from hybridkv.manager import GroupedManager
+from hybridkv.policies import ARCPolicy
+from hybridkv.pool import Lookup, SlotPool
+
+POLICIES = ["lru", "arc"]
+
+
+def stored(pool, keys):
+    plan = pool.prepare_store(keys)
+    assert plan is not None
+    pool.complete_store(plan.keys)
+    return plan
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_write_pending_is_invisible_then_loadable(policy):
+    pool = SlotPool(0, 4, policy)
+    plan = pool.prepare_store(["a", "b"])
+    assert plan.keys == ["a", "b"] and sorted(plan.slots) == [0, 1]
+    assert pool.lookup("a") is Lookup.HIT_PENDING
+    with pytest.raises(KeyError):
+        pool.prepare_load(["a"])
+    pool.complete_store(["a", "b"])
+    assert pool.lookup("a") is Lookup.HIT and pool.lookup("zz") is Lookup.MISS
+    assert pool.take_events() == [("stored", 0, ["a", "b"])]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_all_pinned_refuses_then_retry_succeeds(policy):
+    pool = SlotPool(0, 2, policy)
+    stored(pool, ["a", "b"])
+    pool.prepare_load(["a", "b"])
+    assert pool.prepare_store(["c"]) is None
+    assert pool.lookup("a") is Lookup.HIT and pool.lookup("b") is Lookup.HIT
+    pool.complete_load(["a"])
+    plan = pool.prepare_store(["c"])
+    assert plan.evicted == ["a"] and pool.lookup("a") is Lookup.MISS
+    assert pool.lookup("b") is Lookup.HIT
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_failed_store_frees_its_slots(policy):
+    pool = SlotPool(0, 2, policy)
+    plan = pool.prepare_store(["a", "b"])
+    pool.complete_store(plan.keys, success=False)
+    assert pool.free_count() == 2 and len(pool) == 0
+    assert pool.lookup("a") is Lookup.MISS
+    stored(pool, ["c", "d"])
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_eviction_is_all_or_nothing_and_spares_the_calls_keys(policy):
+    pool = SlotPool(0, 3, policy)
+    stored(pool, ["a", "b", "c"])
+    pool.prepare_load(["b"])
+    # needs 2 evictions; only "a" and "c" are evictable but "c" belongs to this call
+    assert pool.prepare_store(["c", "x", "y"]) is None
+    assert len(pool) == 3 and pool.lookup("a") is Lookup.HIT and pool.lookup("c") is Lookup.HIT
+    plan = pool.prepare_store(["c", "x"])
+    assert plan.keys == ["x"] and plan.evicted == ["a"]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_present_and_inflight_keys_are_untouched(policy):
+    pool = SlotPool(0, 4, policy)
+    stored(pool, ["a"])
+    pending = pool.prepare_store(["b"])
+    again = pool.prepare_store(["a", "b", "c", "c"])
+    assert again.keys == ["c"]
+    assert pool.slot_of("b") == pending.slots[0]
+
+
+def test_lru_touch_keeps_prefix_more_recent_than_tail():
+    pool = SlotPool(0, 4, "lru")
+    stored(pool, ["p0", "p1", "p2", "p3"])
+    pool.touch(["p0", "p1", "p2", "p3"])
+    assert pool.prepare_store(["n1"]).evicted == ["p3"]
+    assert pool.prepare_store(["n2"]).evicted == ["p2"]
+
+
+def test_lru_pinned_keys_leave_the_order():
+    pool = SlotPool(0, 2, "lru")
+    stored(pool, ["a", "b"])
+    pool.prepare_load(["a"])
+    assert pool.policy.evictable_count() == 1
+    pool.complete_load(["a"])
+    # "a" came back as most recent, so "b" is the victim
+    assert pool.prepare_store(["c"]).evicted == ["b"]
+
+
+def test_arc_falls_back_to_the_other_list():
+    policy = ARCPolicy(4)
+    pool = SlotPool(0, 4, policy)
+    stored(pool, ["a", "b"])
+    pool.touch(["a", "b"])                      # a, b -> T2
+    stored(pool, ["c", "d"])                    # c, d -> T1
+    policy.target_t1 = 4.0                      # prefer evicting from T2 ...
+    pool.prepare_load(["a", "b"])               # ... where nothing is evictable
+    plan = pool.prepare_store(["e"])
+    assert plan is not None and plan.evicted == ["c"]
+
+
+def test_arc_frequency_protects_reused_keys_and_ghosts_adapt():
+    pool = SlotPool(0, 3, "arc")
+    stored(pool, ["hot"])
+    pool.touch(["hot"])
+    for i in range(6):
+        stored(pool, [f"scan{i}"])
+    assert pool.lookup("hot") is Lookup.HIT
+    before = pool.policy.target_t1
+    stored(pool, ["scan3"])                     # a ghost from B1 comes back
+    assert pool.policy.target_t1 > before
+
+
+def test_grouped_store_is_atomic_across_groups():
+    mgr = GroupedManager({0: 4, 2: 1})
+    plans = mgr.prepare_store({0: ["a0"], 2: ["s0"]})
+    mgr.complete_store({0: plans[0].keys, 2: plans[2].keys})
+    mgr.prepare_load({2: ["s0"]})
+    # group 2 cannot place s1 (its only slot is pinned): nothing in group 0 changes
+    assert mgr.prepare_store({0: ["a1", "a2"], 2: ["s1"]}) is None
+    assert len(mgr.pool(0)) == 1 and mgr.lookup(0, "a1") is Lookup.MISS
+    mgr.complete_load({2: ["s0"]})
+    plans = mgr.prepare_store({0: ["a1", "a2"], 2: ["s1"]})
+    assert plans[2].evicted == ["s0"] and plans[0].keys == ["a1", "a2"]
+
+
+def test_grouped_refusal_evicts_nothing_elsewhere():
+    mgr = GroupedManager({0: 1, 1: 1})
+    for gid, key in ((0, "a"), (1, "s")):
+        mgr.complete_store({gid: mgr.prepare_store({gid: [key]})[gid].keys})
+    mgr.prepare_load({1: ["s"]})
+    assert mgr.prepare_store({0: ["b"], 1: ["t"]}) is None
+    assert mgr.lookup(0, "a") is Lookup.HIT   # not evicted for a store that was refused
+
+
+def test_request_finish_releases_leaked_pins():
+    mgr = GroupedManager({0: 2})
+    mgr.complete_store({0: mgr.prepare_store({0: ["a"]})[0].keys})
+    mgr.request_started("r1")
+    mgr.prepare_load({0: ["a"]}, request="r1")
+    assert mgr.pool(0).refs_of("a") == 1
+    assert mgr.request_finished("r1") == 1
+    assert mgr.pool(0).refs_of("a") == 0
+
+
+def test_reset_keeps_pinned_and_pending():
+    pool = SlotPool(0, 4, "lru")
+    stored(pool, ["a", "b"])
+    pool.prepare_load(["a"])
+    pool.prepare_store(["c"])
+    pool.reset()
+    assert pool.lookup("b") is Lookup.MISS
+    assert pool.lookup("a") is Lookup.HIT and pool.lookup("c") is Lookup.HIT_PENDING
+
+
+class PoolModel(RuleBasedStateMachine):
+    """Random operation sequences against a plain reference model of what must hold."""
+
+    def __init__(self):
+        super().__init__()
+        self.pool = None
+        self.pinned: dict = {}      # key -> pins we hold
+        self.pending: set = set()
+        self.completed: set = set()
+
+    @rule(policy=st.sampled_from(POLICIES), capacity=st.integers(1, 6))
+    @precondition(lambda self: self.pool is None)
+    def create(self, policy, capacity):
+        self.pool = SlotPool(0, capacity, policy)
+
+    @rule(keys=st.lists(st.integers(0, 12), min_size=1, max_size=4))
+    @precondition(lambda self: self.pool is not None)
+    def store(self, keys):
+        plan = self.pool.prepare_store(keys)
+        if plan is None:
+            return
+        for k in plan.evicted:
+            assert k not in self.pinned and k not in self.pending and k not in keys
+            self.completed.discard(k)
+        self.pending.update(plan.keys)
+
+    @rule(data=st.data(), success=st.booleans())
+    @precondition(lambda self: self.pool is not None and self.pending)
+    def finish_store(self, data, success):
+        key = data.draw(st.sampled_from(sorted(self.pending)))
+        self.pool.complete_store([key], success)
+        self.pending.discard(key)
+        if success:
+            self.completed.add(key)
+
+    @rule(data=st.data())
+    @precondition(lambda self: self.pool is not None and self.completed)
+    def pin(self, data):
+        key = data.draw(st.sampled_from(sorted(self.completed)))
+        self.pool.prepare_load([key])
+        self.pinned[key] = self.pinned.get(key, 0) + 1
+
+    @rule(data=st.data())
+    @precondition(lambda self: self.pool is not None and self.pinned)
+    def unpin(self, data):
+        key = data.draw(st.sampled_from(sorted(self.pinned)))
+        self.pool.complete_load([key])
+        self.pinned[key] -= 1
+        if not self.pinned[key]:
+            del self.pinned[key]
+
+    @rule(keys=st.lists(st.integers(0, 12), max_size=4))
+    @precondition(lambda self: self.pool is not None)
+    def touch(self, keys):
+        self.pool.touch(keys)
+
+    @invariant()
+    def accounting(self):
+        pool = self.pool
+        if pool is None:
+            return
+        assert pool.free_count() + len(pool) == pool.capacity
+        slots = [pool.slot_of(k) for k in list(pool._slot)]
+        assert len(slots) == len(set(slots)) and all(0 <= s < pool.capacity for s in slots)
+        for k in self.pinned:
+            assert pool.lookup(k) is Lookup.HIT
+        for k in self.pending:
+            assert pool.lookup(k) is Lookup.HIT_PENDING
+        for k in range(13):
+            if pool.lookup(k) is Lookup.HIT:
+                assert k in self.completed
+        evictable = sum(1 for k in self.completed if k not in self.pinned)
+        assert pool.policy.evictable_count() == evictable
+
+
+TestPoolModel = PoolModel.TestCase
+TestPoolModel.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

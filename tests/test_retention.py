@@ -1,0 +1,107 @@
+import pytest
+
+from hybridkv.errors import HybridKVError
+from hybridkv.layout import Group
+from hybridkv.retention import Retention, compute_hit, replay_boundary
+
+B = 64
+ATT = Group(0, "attention", 100)
+STATE = Group(1, "state", 1000)
+SW = Group(2, "sliding_window", 100, window_tokens=128)
+SCRATCH = Group(3, "scratch", 10)
+
+
+def oracle(present: dict[int, set[int]]):
+    return lambda gid, block: block in present.get(gid, set())
+
+
+def test_replay_boundary():
+    assert replay_boundary(1000, 64) == 960
+    assert replay_boundary(1025, 64) == 1024
+    assert replay_boundary(1024, 64) == 960     # the last token is always recomputed
+    assert replay_boundary(10, 64) == 0
+
+
+def test_kept_boundaries_per_policy():
+    assert Retention(B, None).kept_boundaries(300) == [64, 128, 192, 256]
+    assert Retention(B, 0).kept_boundaries(300) == [256]
+    assert Retention(B, 0).kept_boundaries(300, junction=128) == [128, 256]
+    assert Retention(B, 128).kept_boundaries(300) == [128, 256]
+    assert Retention(B, 128).kept_boundaries(400, junction=64) == [64, 128, 256, 384]
+    assert Retention(B, 0).kept_boundaries(40) == []
+
+
+def test_keeps_agrees_with_kept_boundaries():
+    for interval in (None, 0, 128, 192):
+        r = Retention(B, interval)
+        for n in (1, 64, 65, 300, 1000):
+            for junction in (None, 128):
+                kept = set(r.kept_boundaries(n, junction))
+                assert {b for b in range(0, n + B, B) if r.keeps(b, n, junction)} == kept
+
+
+def test_long_prompt_periodic_is_cheap():
+    r = Retention(64, 64 * 1024)
+    kept = r.kept_boundaries(10_000_000)
+    assert kept[0] == 65536 and kept[-1] == replay_boundary(10_000_000, 64)
+
+
+def test_interval_must_be_a_block_multiple():
+    with pytest.raises(HybridKVError, match="not a multiple"):
+        Retention(64, 100)
+
+
+def test_states_per_prompt_matches_design():
+    assert Retention(784, 0).states_per_prompt(65536) == 1
+    assert Retention(784, 6272).states_per_prompt(65536) == 11
+    assert Retention(784, None).states_per_prompt(65536) == 83
+
+
+def test_attention_only_hit():
+    hit = compute_hit([ATT], 64 * 5 + 10, B, oracle({0: {0, 1, 2, 4}}))
+    assert hit.tokens == 192 and hit.junction is None
+
+
+def test_state_only_hit_uses_exact_boundary():
+    hit = compute_hit([STATE], 64 * 5 + 10, B, oracle({1: {1, 3}}))
+    assert hit.tokens == 256                  # state at boundary 256 = key of block 3
+
+
+def test_missing_state_at_deepest_boundary_drops_hit_and_records_junction():
+    present = oracle({0: set(range(6)), 1: {2}})   # attention to 384, state only at 192
+    hit = compute_hit([ATT, STATE], 64 * 6 + 1, B, present)
+    assert hit.tokens == 192 and hit.attention_tokens == 384 and hit.junction == 384
+
+
+def test_no_state_means_no_hit():
+    hit = compute_hit([ATT, STATE], 1000, B, oracle({0: set(range(20))}))
+    assert hit.tokens == 0 and hit.junction == hit.attention_tokens == 960
+
+
+def test_hit_is_capped_at_replay_boundary():
+    present = oracle({0: set(range(10)), 1: set(range(10))})
+    hit = compute_hit([ATT, STATE], 4 * 64, B, present)   # 256 tokens: last block recomputed
+    assert hit.tokens == 192 and hit.junction is None
+
+
+def test_sliding_window_needs_its_tail_only():
+    # window 128 = 2 blocks: blocks 3,4 present -> boundary 320 works without blocks 0..2
+    hit = compute_hit([SW], 64 * 6, B, oracle({2: {3, 4}}))
+    assert hit.tokens == 320
+    hit = compute_hit([SW], 64 * 6, B, oracle({2: {1, 2, 4}}))
+    assert hit.tokens == 192
+
+
+def test_fixed_point_across_window_and_state():
+    present = oracle({0: set(range(8)), 1: {3, 6}, 2: {2, 3, 5, 6}})
+    hit = compute_hit([ATT, STATE, SW, SCRATCH], 64 * 8 + 1, B, present)
+    # state at 448 (block 6) needs window blocks 5,6: ok -> 448
+    assert hit.tokens == 448
+    present = oracle({0: set(range(8)), 1: {3, 6}, 2: {2, 3, 6}})
+    hit = compute_hit([ATT, STATE, SW], 64 * 8 + 1, B, present)
+    assert hit.tokens == 256 and hit.attention_tokens == 256 and hit.junction is None
+
+
+def test_scratch_groups_never_constrain():
+    hit = compute_hit([ATT, SCRATCH], 64 * 3, B, oracle({0: {0, 1, 2}}))
+    assert hit.tokens == 128
