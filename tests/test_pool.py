@@ -221,7 +221,7 @@ class PoolModel(RuleBasedStateMachine):
         if pool is None:
             return
         assert pool.free_count() + len(pool) == pool.capacity
-        slots = [pool.slot_of(k) for k in list(pool._slot)]
+        slots = [pool.slot_of(k) for k in pool.resident_keys()]
         assert len(slots) == len(set(slots)) and all(0 <= s < pool.capacity for s in slots)
         for k in self.pinned:
             assert pool.lookup(k) is Lookup.HIT

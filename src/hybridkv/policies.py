@@ -8,7 +8,7 @@ policy subclasses ``EvictionPolicy`` and registers in ``POLICIES``; pools never 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Hashable, Iterable, Iterator
+from collections.abc import Collection, Hashable, Iterator, Sequence
 
 
 class EvictionPolicy:
@@ -24,7 +24,7 @@ class EvictionPolicy:
         """The key left the pool without eviction (failed store, reset)."""
         raise NotImplementedError
 
-    def touch(self, keys: Iterable[Hashable]) -> None:
+    def touch(self, keys: Sequence[Hashable]) -> None:
         """Keys of one request, in prefix order, were used; the prefix ends up most recent."""
         raise NotImplementedError
 
@@ -69,11 +69,18 @@ class LRUPolicy(EvictionPolicy):
     def touch(self, keys):
         order = self._order
         move = order.move_to_end
-        for key in reversed(keys if isinstance(keys, (list, tuple)) else list(keys)):
+        for key in reversed(keys):
             if key in order:
                 move(key)
 
     def evict(self, n, protected):
+        if n == 1:  # the common case: one victim, stop at the first unprotected key
+            order = self._order
+            for key in order:
+                if key not in protected:
+                    del order[key]
+                    return [key]
+            return None
         if n <= 0:
             return []
         if len(self._order) < n:
@@ -143,7 +150,7 @@ class ARCPolicy(EvictionPolicy):
 
     def touch(self, keys):
         lst, t1, t2, size = self._list, self._t1, self._t2, self._size
-        for key in reversed(keys if isinstance(keys, (list, tuple)) else list(keys)):
+        for key in reversed(keys):
             where = lst.get(key)
             if where == 1:
                 lst[key] = 2
@@ -154,7 +161,31 @@ class ARCPolicy(EvictionPolicy):
             elif where == 2 and key in t2:
                 t2.move_to_end(key)
 
+    def _forget(self, key) -> None:
+        """Move an evicted key to its ghost list."""
+        if self._list.pop(key) == 1:
+            self._size[1] -= 1
+            del self._t1[key]
+            self._b1[key] = None
+            ghosts = self._b1
+        else:
+            self._size[2] -= 1
+            del self._t2[key]
+            self._b2[key] = None
+            ghosts = self._b2
+        if len(ghosts) > self.capacity:
+            ghosts.popitem(last=False)
+
     def evict(self, n, protected):
+        if n == 1:  # the common case, without the bookkeeping of a multi-victim plan
+            prefer_t1 = self._size[1] >= max(1.0, self.target_t1)
+            first, second = (self._t1, self._t2) if prefer_t1 else (self._t2, self._t1)
+            for lst in (first, second):
+                for key in lst:
+                    if key not in protected:
+                        self._forget(key)
+                        return [key]
+            return None
         if n <= 0:
             return []
         if len(self._t1) + len(self._t2) < n:
@@ -175,17 +206,7 @@ class ARCPolicy(EvictionPolicy):
                 t1_size -= 1
             victims.append(key)
         for key in victims:
-            where = self._list.pop(key)
-            self._size[where] -= 1
-            if where == 1:
-                del self._t1[key]
-                self._b1[key] = None
-            else:
-                del self._t2[key]
-                self._b2[key] = None
-        for ghosts in (self._b1, self._b2):
-            while len(ghosts) > self.capacity:
-                ghosts.popitem(last=False)
+            self._forget(key)
         return victims
 
     def evictable_count(self):

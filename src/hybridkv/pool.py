@@ -23,7 +23,10 @@ class Lookup(Enum):
     RETRY = "retry"               # a secondary tier has not answered yet
 
 
-@dataclass
+MISS, HIT, HIT_PENDING = Lookup.MISS, Lookup.HIT, Lookup.HIT_PENDING
+
+
+@dataclass(slots=True)
 class StorePlan:
     """What ``prepare_store`` reserved: keys to write now, their slots, and keys evicted."""
 
@@ -34,8 +37,6 @@ class StorePlan:
 
 @dataclass
 class PoolStats:
-    lookups: int = 0
-    hits: int = 0
     stores: int = 0
     failed_stores: int = 0
     evictions: int = 0
@@ -49,74 +50,75 @@ class SlotPool:
         self.group_id = group_id
         self.capacity = capacity
         self.policy = make_policy(policy, capacity) if isinstance(policy, str) else policy
-        self._slot: dict = {}      # key -> slot id
-        self._refs: dict = {}      # key -> reference count (WRITE_PENDING while written)
+        self._entries: dict = {}   # key -> [slot id, reference count]
         self._free: list[int] = []
         self._fresh = 0            # slots never handed out start here (lazy free list)
         self.stats = PoolStats()
         self.events: list[tuple[str, int, object]] = []
+        self.touch = self.policy.touch   # recency update, straight to the policy (hot path)
 
     # -- queries -------------------------------------------------------------------------
     def __len__(self) -> int:
-        return len(self._slot)
+        return len(self._entries)
 
     def __contains__(self, key) -> bool:
-        return key in self._slot
+        return key in self._entries
+
+    def resident_keys(self) -> list:
+        return list(self._entries)
 
     def free_count(self) -> int:
         return len(self._free) + self.capacity - self._fresh
 
     def lookup(self, key) -> Lookup:
-        self.stats.lookups += 1
-        refs = self._refs.get(key)
-        if refs is None:
-            return Lookup.MISS
-        if refs == WRITE_PENDING:
-            return Lookup.HIT_PENDING
-        self.stats.hits += 1
-        return Lookup.HIT
+        entry = self._entries.get(key)
+        if entry is None:
+            return MISS
+        if entry[1] == WRITE_PENDING:
+            return HIT_PENDING
+        return HIT
 
     def slot_of(self, key) -> int:
-        return self._slot[key]
+        return self._entries[key][0]
 
     def refs_of(self, key) -> int | None:
-        return self._refs.get(key)
+        entry = self._entries.get(key)
+        return None if entry is None else entry[1]
 
     # -- loads ---------------------------------------------------------------------------
     def prepare_load(self, keys: Sequence) -> list[int]:
         """Pin stored keys and return their slots; raises KeyError for a key not loadable."""
-        refs, policy = self._refs, self.policy
+        entries, policy = self._entries, self.policy
         for key in keys:
-            r = refs.get(key)
-            if r is None or r == WRITE_PENDING:
+            entry = entries.get(key)
+            if entry is None or entry[1] == WRITE_PENDING:
                 raise KeyError(f"group {self.group_id}: key is not loadable")
+        slots = []
         for key in keys:
-            r = refs[key]
-            if r == 0:
+            entry = entries[key]
+            if entry[1] == 0:
                 policy.set_evictable(key, False)
-            refs[key] = r + 1
-        return [self._slot[k] for k in keys]
+            entry[1] += 1
+            slots.append(entry[0])
+        return slots
 
     def complete_load(self, keys: Sequence) -> None:
-        refs, policy = self._refs, self.policy
+        entries, policy = self._entries, self.policy
         for key in keys:
-            r = refs[key] - 1
-            if r < 0:
+            entry = entries[key]
+            if entry[1] <= 0:
                 raise ValueError(f"group {self.group_id}: complete_load without prepare_load")
-            refs[key] = r
-            if r == 0:
+            entry[1] -= 1
+            if entry[1] == 0:
                 policy.set_evictable(key, True)
-
-    def touch(self, keys: Sequence) -> None:
-        self.policy.touch(keys)
 
     # -- stores --------------------------------------------------------------------------
     def new_keys(self, keys: Sequence) -> list:
         """Keys of a store call that are not resident or in flight, without duplicates."""
-        slot = self._slot
+        entries = self._entries
         if len(keys) == 1:
-            return [] if keys[0] in slot else list(keys)
-        return [k for k in dict.fromkeys(keys) if k not in slot]
+            return [] if keys[0] in entries else list(keys)
+        return [k for k in dict.fromkeys(keys) if k not in entries]
 
     def can_place(self, keys: Sequence, new: list | None = None) -> bool:
         """Would ``prepare_store(keys)`` succeed now? Changes nothing."""
@@ -125,7 +127,7 @@ class SlotPool:
         if need <= 0:
             return True
         is_ev = self.policy.is_evictable
-        protected_evictable = sum(1 for k in set(keys) if k in self._slot and is_ev(k))
+        protected_evictable = sum(1 for k in set(keys) if k in self._entries and is_ev(k))
         return self.policy.evictable_count() - protected_evictable >= need
 
     def prepare_store(self, keys: Sequence) -> StorePlan | None:
@@ -133,55 +135,69 @@ class SlotPool:
 
         Returns None (nothing changed) when eviction cannot free enough slots now.
         """
-        new = self.new_keys(keys)
-        if not new:
-            return StorePlan([], [], [])
+        entries, free = self._entries, self._free
+        if len(keys) == 1:
+            if keys[0] in entries:
+                return StorePlan([], [], [])
+            new = keys
+        else:
+            new = self.new_keys(keys)
+            if not new:
+                return StorePlan([], [], [])
         evicted: list = []
-        need = len(new) - self.free_count()
+        need = len(new) - len(free) - self.capacity + self._fresh
         if need > 0:
             victims = self.policy.evict(need, keys if len(keys) < 8 else set(keys))
             if victims is None:
                 self.stats.store_refusals += 1
                 return None
             for key in victims:
-                self._free.append(self._slot.pop(key))
-                del self._refs[key]
+                free.append(entries.pop(key)[0])
             self.stats.evictions += len(victims)
             self.events.append(("removed", self.group_id, victims))
             evicted = victims
         slots = []
-        free, slot, refs, inserted = self._free, self._slot, self._refs, self.policy.inserted
+        inserted = self.policy.inserted
         for key in new:
             if free:
                 s = free.pop()
             else:
                 s = self._fresh
                 self._fresh += 1
-            slot[key] = s
-            refs[key] = WRITE_PENDING
+            entries[key] = [s, WRITE_PENDING]
             inserted(key)
             slots.append(s)
-        return StorePlan(new, slots, evicted)
+        return StorePlan(list(new), slots, evicted)
 
     def complete_store(self, keys: Sequence, success: bool = True) -> None:
         """Publish written keys (success) or release their slots (failure)."""
-        refs, policy = self._refs, self.policy
+        entries, policy = self._entries, self.policy
+        if success and len(keys) == 1:  # the common case, without list building
+            entry = entries.get(keys[0])
+            if entry is not None and entry[1] == WRITE_PENDING:
+                entry[1] = 0
+                policy.set_evictable(keys[0], True)
+                self.stats.stores += 1
+                self.events.append(("stored", self.group_id, keys))
+            return
         done = []
         for key in keys:
-            if refs.get(key) != WRITE_PENDING:
+            entry = entries.get(key)
+            if entry is None or entry[1] != WRITE_PENDING:
                 continue
             if success:
-                refs[key] = 0
+                entry[1] = 0
                 policy.set_evictable(key, True)
             else:
-                del refs[key]
-                self._free.append(self._slot.pop(key))
+                del entries[key]
+                self._free.append(entry[0])
                 policy.removed(key)
             done.append(key)
+        if not done:
+            return
         if success:
             self.stats.stores += len(done)
-            if done:
-                self.events.append(("stored", self.group_id, done))
+            self.events.append(("stored", self.group_id, done))
         else:
             self.stats.failed_stores += len(done)
 
@@ -192,10 +208,9 @@ class SlotPool:
 
     def reset(self) -> None:
         """Forget every idle key; pinned and write-pending keys stay (their users hold slots)."""
-        idle = [k for k, r in self._refs.items() if r == 0]
+        idle = [k for k, e in self._entries.items() if e[1] == 0]
         for key in idle:
-            del self._refs[key]
-            self._free.append(self._slot.pop(key))
+            self._free.append(self._entries.pop(key)[0])
             self.policy.removed(key)
         if idle:
             self.events.append(("removed", self.group_id, idle))
@@ -203,8 +218,8 @@ class SlotPool:
     def snapshot_stats(self) -> dict:
         s = self.stats
         return {
-            "slots": self.capacity, "used": len(self._slot), "free": self.free_count(),
-            "evictable": self.policy.evictable_count(), "lookups": s.lookups, "hits": s.hits,
-            "stores": s.stores, "failed_stores": s.failed_stores, "evictions": s.evictions,
+            "slots": self.capacity, "used": len(self._entries), "free": self.free_count(),
+            "evictable": self.policy.evictable_count(), "stores": s.stores,
+            "failed_stores": s.failed_stores, "evictions": s.evictions,
             "store_refusals": s.store_refusals,
         }
