@@ -3,10 +3,11 @@ import subprocess
 import sys
 
 import pytest
-from conftest import LAYOUTS
 
 from hybridkv.errors import HybridKVError
 from hybridkv.layout import layout_from_dict, load_layout
+
+from conftest import LAYOUTS
 
 
 def test_shipped_layouts_round_trip():

@@ -1,9 +1,10 @@
 import pytest
-from conftest import LAYOUTS, assert_one_line_error, run_cli
 
 from hybridkv.errors import HybridKVError
 from hybridkv.layout import layout_from_dict, load_layout
 from hybridkv.planner import plan_pools
+
+from conftest import LAYOUTS, assert_one_line_error, run_cli
 
 GiB = 1024**3
 

@@ -42,6 +42,55 @@ def _cmd_plan(args) -> int:
     return 0
 
 
+def _cmd_inspect(args) -> int:
+    from hybridkv.store_admin import inspect_store
+
+    if args.store is None and args.remote is None:
+        raise HybridKVError("inspect needs --store DIR or --remote URL")
+    result = inspect_store(args.store) if args.store else {"total_bytes": 0, "namespaces": []}
+    if args.remote:
+        from hybridkv.remote_tier import inspect_remote
+        result["remote"] = inspect_remote(args.remote)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    for ns in result["namespaces"]:
+        print(f"namespace {ns['fingerprint']}  model {ns['model']}  {format_size(ns['total_bytes'])}"
+              f"  quarantined {ns['quarantined']}")
+        for g in ns["groups"]:
+            print(f"  group {g['id']:>3} {g['kind']:<15} {g['files']:>8} files {format_size(g['bytes']):>12}")
+    if args.store:
+        print(f"total {format_size(result['total_bytes'])}")
+    if "remote" in result:
+        r = result["remote"]
+        print(f"remote {r['url']}: {r['keys']} keys, {format_size(r['bytes'])}")
+    return 0
+
+
+def _cmd_verify(args) -> int:
+    from hybridkv.store_admin import verify_store
+
+    result = verify_store(args.store, progress=not args.json)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"checked {result['checked']}: {result['ok']} ok, {result['corrupt']} corrupt "
+              f"(moved to quarantine)")
+    return 1 if result["corrupt"] else 0
+
+
+def _cmd_gc(args) -> int:
+    from hybridkv.store_admin import gc_store
+
+    result = gc_store(args.store, parse_size(args.max_bytes, "--max-bytes"), progress=not args.json)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"removed {result['removed_files']} files, freed {format_size(result['freed_bytes'])}; "
+              f"store now {format_size(result['total_bytes'])}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hybridkv", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -54,6 +103,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-block-tokens", type=int, help="the engine's own block size, to check")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_plan)
+
+    p = sub.add_parser("inspect", help="what a store holds, per namespace and group")
+    p.add_argument("--store", help="filesystem store directory")
+    p.add_argument("--remote", help="Redis/Valkey URL of a remote tier")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_inspect)
+
+    p = sub.add_parser("verify", help="check every page; quarantine corrupt ones (exit 1 if any)")
+    p.add_argument("--store", required=True)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_verify)
+
+    p = sub.add_parser("gc", help="evict least recently used pages down to a size")
+    p.add_argument("--store", required=True)
+    p.add_argument("--max-bytes", required=True, help="e.g. 100GiB")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_gc)
     return parser
 
 

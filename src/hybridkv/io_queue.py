@@ -1,0 +1,55 @@
+"""Background I/O threads with two priorities: reads first, then writes.
+
+Tiers hand blocking file or socket work here so the engine thread never waits on a disk;
+the work itself (os.read/write, zlib, sockets) releases the GIL.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+
+READ, WRITE = 0, 1
+
+
+class IOQueue:
+    def __init__(self, threads: int = 2, name: str = "hybridkv-io"):
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self._threads = [
+            threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(threads)
+        ]
+        self._closed = False
+        for t in self._threads:
+            t.start()
+
+    def submit(self, priority: int, fn: Callable, *args) -> Future:
+        if self._closed:
+            raise RuntimeError("I/O queue is closed")
+        future: Future = Future()
+        self._queue.put((priority, next(self._seq), fn, args, future))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            _, _, fn, args, future = self._queue.get()
+            if fn is None:
+                return
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as e:  # reported to whoever waits on the future
+                    future.set_exception(e)
+
+    def close(self) -> None:
+        """Finish everything queued, then stop the threads."""
+        if self._closed:
+            return
+        self._closed = True
+        for _ in self._threads:
+            self._queue.put((WRITE + 1, next(self._seq), None, (), None))
+        for t in self._threads:
+            t.join()

@@ -1,0 +1,179 @@
+"""Shared RAM regions: one ``slots x page`` file per group, mapped MAP_SHARED.
+
+A region lives under ``/dev/shm`` by default so other processes (tensor-parallel workers)
+attach by path and see the same bytes. A lease file (owner pid + process start time) lets
+a later start remove regions left by a killed owner and never a live owner's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import mmap
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from hybridkv.errors import HybridKVError
+
+PinHook = Callable[["SharedRegion"], None]
+
+
+def process_start_time(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks since boot (None if it is not running)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2:].split()[19])
+
+
+def _lease_path(path: Path) -> Path:
+    return path.with_name(path.name + ".lease")
+
+
+def _write_lease(path: Path) -> None:
+    _lease_path(path).write_text(json.dumps(
+        {"pid": os.getpid(), "start_time": process_start_time(os.getpid())}))
+
+
+def lease_is_live(lease: dict) -> bool:
+    start = process_start_time(int(lease.get("pid", -1)))
+    return start is not None and start == lease.get("start_time")
+
+
+class SharedRegion:
+    """``slots`` pages of ``page_bytes`` each in one shared mapping."""
+
+    def __init__(self, path: Path, slots: int, page_bytes: int, fd: int, owner: bool):
+        self.path, self.slots, self.page_bytes, self.owner = path, slots, page_bytes, owner
+        self._fd = fd
+        self._map = mmap.mmap(fd, slots * page_bytes, mmap.MAP_SHARED)
+        self.array = np.frombuffer(self._map, dtype=np.uint8).reshape(slots, page_bytes)
+
+    @property
+    def nbytes(self) -> int:
+        return self.slots * self.page_bytes
+
+    @classmethod
+    def create(cls, path: str | Path, slots: int, page_bytes: int,
+               pin_hook: PinHook | None = None, rank: int = 0) -> SharedRegion:
+        """Create exclusively and become the owner; partial failure removes what was made."""
+        path = Path(path)
+        size = slots * page_bytes
+        try:
+            st = os.statvfs(path.parent)
+        except OSError as e:
+            raise HybridKVError(f"RAM region directory {path.parent} is unusable: {e.strerror}") from None
+        free = st.f_bavail * st.f_frsize
+        if size > free:
+            raise HybridKVError(
+                f"RAM region {path} needs {size} B but {path.parent} has {free} B free; "
+                "lower ram_bytes or point ram_dir at a larger tmpfs"
+            )
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        region = None
+        try:
+            os.ftruncate(fd, size)
+            region = cls(path, slots, page_bytes, fd, owner=True)
+            _write_lease(path)
+            if pin_hook is not None:
+                region.run_pin_hook(pin_hook, rank)
+            return region
+        except BaseException:
+            if region is not None:
+                region.close()
+            else:
+                os.close(fd)
+                path.unlink(missing_ok=True)
+            _lease_path(path).unlink(missing_ok=True)
+            raise
+
+    @classmethod
+    def attach(cls, path: str | Path, slots: int, page_bytes: int) -> SharedRegion:
+        """Map a region another process created; its size must match."""
+        path = Path(path)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as e:
+            raise HybridKVError(f"cannot attach RAM region {path}: {e.strerror}") from None
+        actual = os.fstat(fd).st_size
+        if actual != slots * page_bytes:
+            os.close(fd)
+            raise HybridKVError(
+                f"RAM region {path} has {actual} B, expected {slots * page_bytes}; "
+                "the processes disagree on the layout or budget"
+            )
+        return cls(path, slots, page_bytes, fd, owner=False)
+
+    def take_ownership(self) -> None:
+        """This process will unlink the file at close, whoever created it."""
+        self.owner = True
+        _write_lease(self.path)
+
+    def run_pin_hook(self, hook: PinHook, rank: int = 0) -> None:
+        """Run e.g. CUDA host registration under an exclusive flock; failure is fatal."""
+        lock_fd = os.open(self.path, os.O_RDONLY)
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX)
+            hook(self)
+        except Exception as e:
+            raise HybridKVError(
+                f"pinning RAM region failed on rank {rank}: path {self.path}, size {self.nbytes} B: {e}"
+            ) from e
+        finally:
+            fcntl.flock(lock_fd, fcntl.LOCK_UN)
+            os.close(lock_fd)
+
+    def page(self, slot: int) -> np.ndarray:
+        """Zero-copy view of one slot."""
+        return self.array[slot]
+
+    def write(self, slot: int, data) -> None:
+        """Copy one page in (any C-contiguous buffer or array of at most ``page_bytes``)."""
+        src = data.reshape(-1).view(np.uint8) if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
+        np.copyto(self.array[slot, : src.size], src)
+
+    def close(self) -> None:
+        if self._map is None:
+            return
+        self.array = None
+        with contextlib.suppress(BufferError):  # a view still alive keeps the mapping
+            self._map.close()
+        self._map = None
+        os.close(self._fd)
+        if self.owner:
+            self.path.unlink(missing_ok=True)
+            _lease_path(self.path).unlink(missing_ok=True)
+
+
+def remove_stale_regions(directory: str | Path, prefix: str = "hybridkv-") -> list[Path]:
+    """Remove regions whose lease names a process that is gone; a live owner's stay."""
+    removed = []
+    for lease_file in Path(directory).glob(f"{prefix}*.lease"):
+        try:
+            lease = json.loads(lease_file.read_text())
+        except (OSError, ValueError):
+            continue
+        if lease_is_live(lease):
+            continue
+        region = lease_file.with_name(lease_file.name[: -len(".lease")])
+        with contextlib.suppress(FileNotFoundError):
+            region.unlink()
+            removed.append(region)
+        lease_file.unlink(missing_ok=True)
+    return removed
+
+
+def cuda_pin_hook(region: SharedRegion) -> None:
+    """Register the mapping with CUDA so GPU copies can use it (GPU machines only)."""
+    import torch
+
+    tensor = torch.from_numpy(region.array)
+    result = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), region.nbytes, 0)
+    if int(result) != 0:
+        raise RuntimeError(f"cudaHostRegister returned {int(result)}")

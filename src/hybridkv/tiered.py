@@ -1,0 +1,241 @@
+"""The cache a connector talks to: RAM pools over shared regions, then secondary tiers.
+
+RAM is primary. A page stored here is copied into a RAM slot and written through to every
+secondary tier in the background (its slot stays pinned until then). A page found only in
+a secondary tier is promoted into RAM first and then served from there.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from hybridkv.config import CacheConfig
+from hybridkv.errors import HybridKVError
+from hybridkv.layout import Layout
+from hybridkv.manager import GroupedManager
+from hybridkv.planner import Plan, plan_pools
+from hybridkv.pool import Lookup
+from hybridkv.ram import SharedRegion, remove_stale_regions
+
+log = logging.getLogger(__name__)
+RAM = "ram"
+
+
+@dataclass
+class TierCounters:
+    hits: int = 0
+    bytes_in: int = 0      # bytes stored into the tier
+    bytes_out: int = 0     # bytes served from the tier
+
+
+@dataclass
+class _WriteThrough:
+    group: int
+    key: bytes
+    futures: list[Future] = field(default_factory=list)
+
+
+def open_secondary_tiers(layout: Layout, config: CacheConfig) -> list:
+    tiers = []
+    if config.store:
+        from hybridkv.fs_tier import FilesystemTier
+        tiers.append(FilesystemTier(config.store, layout, config.fs_bytes, config.durability))
+    if config.remote:
+        from hybridkv.remote_tier import RemoteTier
+        tiers.append(RemoteTier(config.remote, layout, prefix=config.remote_prefix,
+                                ttl_s=config.remote_ttl_s, timeout_s=config.remote_timeout_s))
+    return tiers
+
+
+class TieredCache:
+    def __init__(self, layout: Layout, config: CacheConfig, plan: Plan | None = None,
+                 secondaries: Sequence | None = None):
+        self.layout, self.config = layout, config
+        reference = config.reference_tokens or layout.max_model_len or 64 * layout.block_tokens
+        self.plan = plan or plan_pools(layout, config.ram_bytes, config.retention, reference)
+        self.manager = GroupedManager(self.plan.slots_per_group(), config.eviction)
+        self.regions: dict[int, SharedRegion] = {}
+        self.secondaries: list = []
+        self.counters: dict[str, TierCounters] = {RAM: TierCounters()}
+        self._writes: list[_WriteThrough] = []
+        try:
+            self._open_regions()
+            self.secondaries = list(secondaries) if secondaries is not None else open_secondary_tiers(layout, config)
+        except BaseException:
+            self.close()
+            raise
+        for tier in self.secondaries:
+            self.counters[tier.name] = TierCounters()
+
+    def _open_regions(self) -> None:
+        directory = Path(self.config.ram_dir)
+        if not directory.is_dir():
+            raise HybridKVError(f"ram_dir {directory} does not exist; create it or choose another")
+        remove_stale_regions(directory)
+        tag = f"{self.layout.fingerprint()[:12]}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        for gid, slots in self.plan.slots_per_group().items():
+            page = self.layout.group(gid).page_bytes
+            self.regions[gid] = SharedRegion.create(directory / f"hybridkv-{tag}-g{gid}", slots, page)
+
+    # -- where is a page? -------------------------------------------------------------------
+    def locate(self, group: int, keys: Sequence[bytes]) -> list[str | None]:
+        """Tier name holding each key (RAM first), or None; secondary checks are batched."""
+        pool = self.manager.pool(group)
+        where: list[str | None] = [RAM if pool.lookup(k) is Lookup.HIT else None for k in keys]
+        for tier in self.secondaries:
+            missing = [i for i, w in enumerate(where) if w is None]
+            if not missing:
+                break
+            found = tier.contains_many(group, [keys[i] for i in missing])
+            for i, ok in zip(missing, found, strict=True):
+                if ok:
+                    where[i] = tier.name
+        return where
+
+    # -- loads ------------------------------------------------------------------------------
+    def acquire(self, wanted: Mapping[int, Sequence[bytes]], request: str | None = None
+                ) -> dict[int, list[np.ndarray]] | None:
+        """Pin every wanted page in RAM (promoting from secondary tiers) and return views.
+
+        None when a page could not be brought into RAM (gone, corrupt, or RAM refused):
+        the caller recomputes its hit, which now sees the page as missing.
+        """
+        if not self._promote(wanted):
+            return None
+        slots = self.manager.prepare_load(wanted, request)
+        views = {gid: [self.regions[gid].page(s) for s in ss] for gid, ss in slots.items()}
+        ram = self.counters[RAM]
+        for gid, pages in views.items():
+            ram.bytes_out += len(pages) * self.layout.group(gid).page_bytes
+        return views
+
+    def release(self, wanted: Mapping[int, Sequence[bytes]], request: str | None = None) -> None:
+        self.manager.complete_load(wanted, request)
+
+    def _promote(self, wanted: Mapping[int, Sequence[bytes]]) -> bool:
+        need: dict[int, list[bytes]] = {}
+        sources: dict[tuple[int, bytes], str] = {}
+        for gid, keys in wanted.items():
+            pool = self.manager.pool(gid)
+            for key in keys:
+                state = pool.lookup(key)
+                if state is Lookup.HIT:
+                    continue
+                if state is Lookup.HIT_PENDING:
+                    return False
+                need.setdefault(gid, []).append(key)
+        if not need:
+            self.counters[RAM].hits += sum(len(k) for k in wanted.values())
+            return True
+        for gid, keys in need.items():
+            for key, where in zip(keys, self.locate(gid, keys), strict=True):
+                if where is None:
+                    return False
+                sources[(gid, key)] = where
+        plans = self.manager.prepare_store(need)
+        if plans is None:
+            return False
+        tiers = {t.name: t for t in self.secondaries}
+        jobs = []
+        for gid, plan in plans.items():
+            for key, slot in zip(plan.keys, plan.slots, strict=True):
+                tier = tiers[sources[(gid, key)]]
+                jobs.append((gid, key, tier, tier.submit_read(gid, key, self.regions[gid].page(slot))))
+        ok = True
+        for gid, key, tier, future in jobs:
+            success = bool(future.result())
+            self.manager.complete_store({gid: [key]}, success)
+            if success:
+                counters = self.counters[tier.name]
+                counters.hits += 1
+                counters.bytes_out += self.layout.group(gid).page_bytes
+            ok = ok and success
+        return ok
+
+    # -- stores -----------------------------------------------------------------------------
+    def store(self, pages: Mapping[int, Sequence[tuple[bytes, np.ndarray]]]) -> bool:
+        """Copy new pages into RAM atomically across groups; False = retry later.
+
+        Keys already present or in flight are skipped. Completed pages are written through
+        to every secondary tier in the background.
+        """
+        keys = {gid: [k for k, _ in items] for gid, items in pages.items() if items}
+        if not keys:
+            return True
+        plans = self.manager.prepare_store(keys)
+        if plans is None:
+            return False
+        ram = self.counters[RAM]
+        for gid, plan in plans.items():
+            data = dict(pages[gid])
+            region = self.regions[gid]
+            for key, slot in zip(plan.keys, plan.slots, strict=True):
+                region.write(slot, data[key])
+                ram.bytes_in += region.page_bytes
+        self.manager.complete_store({gid: plan.keys for gid, plan in plans.items()})
+        if self.secondaries:
+            for gid, plan in plans.items():
+                if not plan.keys:
+                    continue
+                slots = self.manager.prepare_load({gid: plan.keys})[gid]   # pinned until written
+                for key, slot in zip(plan.keys, slots, strict=True):
+                    job = _WriteThrough(gid, key)
+                    page = self.regions[gid].page(slot)
+                    for tier in self.secondaries:
+                        job.futures.append(tier.submit_write(gid, key, page))
+                        self.counters[tier.name].bytes_in += page.nbytes
+                    self._writes.append(job)
+        return True
+
+    def poll(self) -> int:
+        """End-of-step: unpin pages whose write-through finished; returns how many."""
+        done, waiting = [], []
+        for w in self._writes:
+            (done if all(f.done() for f in w.futures) else waiting).append(w)
+        self._writes = waiting
+        for w in done:
+            self.manager.complete_load({w.group: [w.key]})
+        return len(done)
+
+    def drain(self) -> None:
+        """Wait for every write-through (clean shutdown, or before another process reads)."""
+        for w in self._writes:
+            for f in w.futures:
+                f.result()
+        self.poll()
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def stats(self) -> dict:
+        groups = {}
+        for gid, s in self.manager.stats().items():
+            groups[gid] = {"kind": self.layout.group(gid).kind, **s}
+        tiers = {name: vars(c).copy() for name, c in self.counters.items()}
+        for tier in self.secondaries:
+            tiers[tier.name].update(tier.stats)
+        return {"groups": groups, "tiers": tiers, "pending_writes": len(self._writes)}
+
+    def close(self) -> None:
+        try:
+            if self.regions:
+                self.drain()
+        finally:
+            for tier in self.secondaries:
+                tier.close()
+            for region in self.regions.values():
+                region.close()
+            self.regions = {}
+            self.secondaries = []
+
+    def __enter__(self) -> TieredCache:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,71 @@
+"""Child process for tier tests: writes or reads pages of a small layout through real tiers.
+
+usage: tier_worker.py write STORE N [--storm]   |   read STORE N   |   region-create PATH | region-attach PATH
+"""
+
+import sys
+import time
+
+import numpy as np
+
+from hybridkv.config import CacheConfig
+from hybridkv.layout import layout_from_dict
+from hybridkv.ram import SharedRegion
+from hybridkv.tiered import TieredCache
+
+LAYOUT = layout_from_dict({
+    "model": "tier-test", "block_tokens": 16, "max_model_len": 4096,
+    "groups": [{"id": 0, "kind": "attention", "page_bytes": 4096},
+               {"id": 1, "kind": "state", "page_bytes": 16384}],
+})
+
+
+def page(group: int, i: int) -> np.ndarray:
+    size = LAYOUT.group(group).page_bytes
+    return np.random.default_rng(1000 * group + i).integers(0, 256, size, dtype=np.uint8)
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def main() -> None:
+    cmd, target = sys.argv[1], sys.argv[2]
+    if cmd.startswith("region-"):
+        if cmd == "region-create":
+            region = SharedRegion.create(target, 4, 4096)
+            region.write(0, np.full(4096, 7, np.uint8))
+        else:
+            region = SharedRegion.attach(target, 4, 4096)
+            assert int(region.page(0)[0]) == 7
+            region.write(1, np.full(4096, 9, np.uint8))
+            region.close()
+            return
+        print("ready", flush=True)
+        time.sleep(600)
+        return
+    n = int(sys.argv[3])
+    config = CacheConfig(block_tokens=16, ram_bytes=64 * 1024**2, store=target)
+    with TieredCache(LAYOUT, config) as cache:
+        if cmd == "write":
+            storm = "--storm" in sys.argv
+            for i in range(n if not storm else 10**9):
+                cache.store({0: [(key(i), page(0, i))], 1: [(key(i), page(1, i))]})
+                cache.poll()
+                if storm and i == 50:
+                    print("storming", flush=True)
+        else:
+            ok = 0
+            for i in range(n):
+                views = cache.acquire({0: [key(i)], 1: [key(i)]})
+                if views is None:
+                    continue
+                assert np.array_equal(views[0][0], page(0, i)), i
+                assert np.array_equal(views[1][0], page(1, i)), i
+                cache.release({0: [key(i)], 1: [key(i)]})
+                ok += 1
+            print(f"restored {ok}")
+
+
+if __name__ == "__main__":
+    main()
