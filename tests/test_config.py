@@ -35,9 +35,9 @@ def test_file_env_and_overrides_precedence(tmp_path):
 
 def test_json_config(tmp_path):
     path = tmp_path / "c.json"
-    path.write_text('{"store": "/tmp/x", "fs_bytes": "10GB", "store_decode": "yes"}')
+    path.write_text('{"store": "/tmp/x", "fs_bytes": "10GB", "remote": "redis://127.0.0.1:1/0"}')
     cfg = load_config(path, environ={})
-    assert cfg.store == "/tmp/x" and cfg.fs_bytes == 10 * 1000**3 and cfg.store_decode is True
+    assert cfg.store == "/tmp/x" and cfg.fs_bytes == 10 * 1000**3 and cfg.remote.endswith(":1/0")
 
 
 @pytest.mark.parametrize("overrides, fragment", [

@@ -58,7 +58,6 @@ class CacheConfig:
     remote_prefix: str = "hybridkv"
     remote_ttl_s: int | None = None
     remote_timeout_s: float = 0.5
-    store_decode: bool = False
 
     def __post_init__(self):
         if isinstance(self.block_tokens, bool) or not isinstance(self.block_tokens, int) or self.block_tokens <= 0:
@@ -117,15 +116,6 @@ def _coerce(name: str, value):
             return float(value)
         except (TypeError, ValueError):
             raise HybridKVError(f"{name}: expected seconds, got {value!r}") from None
-    if name == "store_decode":
-        if isinstance(value, bool):
-            return value
-        text = str(value).lower()
-        if text in ("1", "true", "yes", "on"):
-            return True
-        if text in ("0", "false", "no", "off"):
-            return False
-        raise HybridKVError(f"{name}: expected true or false, got {value!r}")
     return str(value)
 
 

@@ -1,0 +1,170 @@
+"""Request-level cache logic, engine-neutral: keys, the hybrid hit, loads and stores.
+
+The engine asks three things: how deep can this prompt be restored (``begin``/``load``),
+which boundaries must end a chunk and have their state offered (``wants_state``), and it
+hands over pages it actually computed (``offer_block``/``offer_state``). Nothing is stored by
+guessing positions. Offers that RAM refuses now stay pending and are retried each step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hybridkv.keys import block_hashes
+from hybridkv.layout import Layout
+from hybridkv.retention import Hit, Retention, compute_hit
+from hybridkv.tiered import TieredCache
+
+log = logging.getLogger(__name__)
+Pages = Mapping[int, np.ndarray]      # group id -> one page (uint8)
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    n_tokens: int
+    keys: list[bytes]
+    hit: Hit = Hit(0, 0, None)
+    sources: dict[str, int] = field(default_factory=lambda: {"ram": 0, "fs": 0, "remote": 0})
+    stored: dict[str, int] = field(default_factory=lambda: {"attention": 0, "state": 0})
+    pending: dict[tuple[str, int], dict] = field(default_factory=dict)
+    max_stored_tokens: int | None = None
+    loaded: dict[int, list[bytes]] | None = None
+    where: dict[int, list[str | None]] = field(default_factory=dict)   # tier per (group, block)
+
+    @property
+    def hit_tokens(self) -> int:
+        return self.hit.tokens
+
+    @property
+    def junction(self) -> int | None:
+        return self.hit.junction
+
+
+class Connector:
+    MAX_LOAD_ATTEMPTS = 3
+
+    def __init__(self, cache: TieredCache, retention: Retention | None = None):
+        self.cache = cache
+        self.layout: Layout = cache.layout
+        self.B = self.layout.block_tokens
+        self.retention = retention or Retention(self.B, cache.config.retention)
+        self.groups = self.layout.cacheable_groups
+        self.token_groups = [g.id for g in self.groups if g.is_token_group]
+        self.state_groups = [g.id for g in self.groups if g.kind == "state"]
+        self.stats = {"requests": 0, "hit_tokens": 0, "prompt_tokens": 0, "offers_retried": 0,
+                      "offers_dropped": 0, "pages_stored": 0}
+
+    # -- lookup and load --------------------------------------------------------------------
+    def begin(self, request_id: str, tokens: Sequence[int], salt: str | None = None,
+              max_stored_tokens: int | None = None) -> RequestState:
+        """Key the prompt and find its hybrid hit over every tier (one call to compute_hit)."""
+        req = RequestState(request_id, len(tokens), block_hashes(tokens, self.B, salt),
+                           max_stored_tokens=max_stored_tokens)
+        self.cache.manager.request_started(request_id)
+        req.hit = self._find_hit(req)
+        self.stats["requests"] += 1
+        self.stats["prompt_tokens"] += req.n_tokens
+        return req
+
+    def _find_hit(self, req: RequestState) -> Hit:
+        cap = max(0, (req.n_tokens - 1) // self.B)
+        where = {g.id: self.cache.locate(g.id, req.keys[:cap]) for g in self.groups}
+        req.where = where
+        return compute_hit(self.groups, req.n_tokens, self.B,
+                           lambda gid, block: where[gid][block] is not None)
+
+    def _wanted(self, req: RequestState) -> dict[int, list[bytes]]:
+        n = req.hit.tokens // self.B
+        wanted = {gid: req.keys[:n] for gid in self.token_groups}
+        for gid in self.state_groups:
+            wanted[gid] = [req.keys[n - 1]]
+        return wanted
+
+    def load(self, req: RequestState) -> dict[int, list[np.ndarray]] | None:
+        """Pin the hit's pages in RAM and return views: token groups get every block up to
+        the hit, state groups the one state at the hit. Shrinks the hit if a page vanished."""
+        for _ in range(self.MAX_LOAD_ATTEMPTS):
+            if req.hit.tokens == 0:
+                return None
+            wanted = self._wanted(req)
+            counts = {"ram": 0, "fs": 0, "remote": 0}
+            n = req.hit.tokens // self.B
+            for gid, keys in wanted.items():
+                blocks = range(n) if gid in self.token_groups else [n - 1]
+                for b in blocks:
+                    counts[req.where[gid][b]] += 1
+            views = self.cache.acquire(wanted, req.request_id)
+            if views is not None:
+                req.loaded, req.sources = wanted, counts
+                return views
+            req.hit = self._find_hit(req)     # a page was lost (evicted, corrupt): look again
+        req.hit = Hit(0, req.hit.attention_tokens, req.hit.junction)
+        return None
+
+    def release(self, req: RequestState) -> None:
+        """Unpin loaded pages and refresh recency so the prefix outlives its tail."""
+        if req.loaded is None:
+            return
+        self.cache.release(req.loaded, req.request_id)
+        self.cache.manager.touch(req.loaded)
+        self.stats["hit_tokens"] += req.hit.tokens
+        req.loaded = None
+
+    # -- stores -----------------------------------------------------------------------------
+    def wants_state(self, req: RequestState, boundary: int) -> bool:
+        """Must the engine snapshot the recurrent state at this boundary?"""
+        if not self.state_groups or self._over_cap(req, boundary):
+            return False
+        return self.retention.keeps(boundary, req.n_tokens, req.hit.junction)
+
+    def _over_cap(self, req: RequestState, tokens: int) -> bool:
+        return req.max_stored_tokens is not None and tokens > req.max_stored_tokens
+
+    def offer_block(self, req: RequestState, block: int, pages: Pages) -> None:
+        """Attention/sliding-window pages of one full prompt block the engine computed."""
+        if block >= len(req.keys) or self._over_cap(req, (block + 1) * self.B):
+            return
+        key = req.keys[block]
+        self._offer(req, ("block", block), {gid: [(key, page)] for gid, page in pages.items()})
+
+    def offer_state(self, req: RequestState, boundary: int, pages: Pages) -> None:
+        """The exact recurrent state at ``boundary`` (a multiple of B) the engine materialized."""
+        key = req.keys[boundary // self.B - 1]
+        self._offer(req, ("state", boundary), {gid: [(key, page)] for gid, page in pages.items()})
+
+    def _offer(self, req: RequestState, ident: tuple[str, int], pages: dict) -> None:
+        req.pending[ident] = pages          # a re-offer supersedes the older one
+        self._try_store(req, ident)
+
+    def _try_store(self, req: RequestState, ident: tuple[str, int]) -> bool:
+        pages = req.pending[ident]
+        if not self.cache.store(pages):
+            return False
+        del req.pending[ident]
+        kind = "state" if ident[0] == "state" else "attention"
+        req.stored[kind] += sum(len(v) for v in pages.values())
+        self.stats["pages_stored"] += sum(len(v) for v in pages.values())
+        return True
+
+    def step(self, req: RequestState) -> None:
+        """End of an engine step: retry pending offers, finish background writes."""
+        for ident in list(req.pending):
+            self.stats["offers_retried"] += 1
+            self._try_store(req, ident)
+        self.cache.poll()
+
+    def finish(self, req: RequestState) -> None:
+        """Request done or preempted: pending offers lose their source and are dropped."""
+        self.step(req)
+        if req.pending:
+            log.warning("request %s finished with %d page offers RAM could not take; dropped",
+                        req.request_id, len(req.pending))
+            self.stats["offers_dropped"] += len(req.pending)
+            req.pending.clear()
+        self.release(req)
+        self.cache.manager.request_finished(req.request_id)

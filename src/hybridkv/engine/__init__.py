@@ -1,0 +1,1 @@
+"""The reference engine: Hugging Face transformers hybrid models with the cache attached."""

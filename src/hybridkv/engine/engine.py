@@ -1,0 +1,164 @@
+"""The reference engine: chunked prefill with the cache attached, then greedy decoding.
+
+Prefill always runs in B-token chunks from token 0 (cold or restored alike), which is what
+makes a restored run bit-identical to a cold one; chunks therefore end at every boundary,
+so junctions and retained boundaries need no special chunking.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from hybridkv.config import CacheConfig
+from hybridkv.connector import Connector
+from hybridkv.engine.hf_cache import ATTENTION_GROUP, STATE_GROUP, HFCacheAdapter
+from hybridkv.engine.models import BUILTINS, ByteTokenizer, load_model
+from hybridkv.errors import HybridKVError
+from hybridkv.tiered import TieredCache
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class GenerationResult:
+    request: int
+    prompt_tokens: int
+    hit_tokens: int
+    computed_tokens: int
+    loaded_pages: dict[str, int]
+    stored_pages: dict[str, int]
+    junction: int | None
+    output_token_ids: list[int]
+    ttft_s: float
+    logits: list[torch.Tensor] = field(default_factory=list, repr=False)
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in vars(self).items() if k != "logits"}
+
+
+class Engine:
+    """A hybrid model plus (optionally) a tiered prefix cache.
+
+    >>> with Engine("tiny-hybrid", CacheConfig(store="/tmp/hkv")) as engine:
+    ...     result = engine.generate("Hello", max_new_tokens=8)
+    """
+
+    def __init__(self, model: str = "tiny-hybrid", config: CacheConfig | None = None,
+                 use_cache: bool = True, dtype: str = "float32", threads: int | None = None):
+        if dtype not in DTYPES:
+            raise HybridKVError(f"dtype {dtype!r} is not supported; use float32 or bfloat16")
+        torch.set_num_threads(threads or min(2, torch.get_num_threads()))
+        self.config = config or CacheConfig()
+        self.model_name = model if model in BUILTINS else Path(model).name
+        self.model, tokenizer = load_model(model, DTYPES[dtype])
+        self.tokenizer = tokenizer or ByteTokenizer()
+        self.adapter = HFCacheAdapter(self.model, self.config.block_tokens, self.model_name)
+        self.layout = self.adapter.layout
+        self.max_len = self.layout.max_model_len or 10**9
+        self.cache: TieredCache | None = None
+        self.connector: Connector | None = None
+        if use_cache:
+            self.cache = TieredCache(self.layout, self.config)
+            self.connector = Connector(self.cache)
+        self._ids = itertools.count()
+
+    # -- the public call ------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    @torch.no_grad()
+    def generate(self, prompt: str | list[int], max_new_tokens: int = 16, salt: str | None = None,
+                 max_stored_tokens: int | None = None) -> GenerationResult:
+        ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            raise HybridKVError("the prompt is empty; give at least one token")
+        if len(ids) + max_new_tokens > self.max_len:
+            raise HybridKVError(
+                f"prompt of {len(ids)} tokens + {max_new_tokens} new tokens exceeds the model's "
+                f"maximum length {self.max_len}; shorten the prompt"
+            )
+        index = next(self._ids)
+        t0 = time.perf_counter()
+        conn = self.connector
+        req = conn.begin(f"r{index}-{id(self)}", ids, salt, max_stored_tokens) if conn else None
+        start, cache = 0, None
+        if req is not None and req.hit_tokens:
+            views = conn.load(req)
+            if views is not None:
+                state = views[STATE_GROUP][0] if STATE_GROUP in views else None
+                cache = self.adapter.restore(views[ATTENTION_GROUP], state)
+                conn.release(req)
+                start = req.hit_tokens
+        if cache is None:
+            cache = _fresh(self.model)
+        logits = self._prefill(ids, start, cache, req)
+        result_logits = [logits]
+        token = int(logits.argmax())
+        ttft = time.perf_counter() - t0
+        out = [token]
+        position = len(ids)
+        for _ in range(max_new_tokens - 1):
+            step = self.model(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[position]]),
+                              cache=cache, use_cache=True, logits_to_keep=1)
+            logits = step.logits[0, -1].float()
+            result_logits.append(logits)
+            token = int(logits.argmax())
+            out.append(token)
+            position += 1
+        if req is not None:
+            conn.finish(req)
+        return GenerationResult(
+            request=index, prompt_tokens=len(ids), hit_tokens=start,
+            computed_tokens=len(ids) - start,
+            loaded_pages=dict(req.sources) if req and start else {"ram": 0, "fs": 0, "remote": 0},
+            stored_pages=dict(req.stored) if req else {"attention": 0, "state": 0},
+            junction=req.junction if req else None, output_token_ids=out, ttft_s=ttft,
+            logits=result_logits,
+        )
+
+    def _prefill(self, ids: list[int], start: int, cache, req) -> torch.Tensor:
+        B, conn, n = self.adapter.B, self.connector, len(ids)
+        tokens = torch.tensor([ids])
+        logits = None
+        for s in range(start, n, B):
+            e = min(s + B, n)
+            out = self.model(input_ids=tokens[:, s:e], position_ids=torch.arange(s, e)[None],
+                             cache=cache, use_cache=True, logits_to_keep=1)
+            logits = out.logits[0, -1].float()
+            if req is not None and e % B == 0:
+                conn.offer_block(req, e // B - 1, {ATTENTION_GROUP: self.adapter.attention_page(cache, e // B - 1)})
+                if conn.wants_state(req, e):
+                    conn.offer_state(req, e, {STATE_GROUP: self.adapter.state_page(cache)})
+                conn.step(req)
+        return logits
+
+    # -- figures and lifecycle ------------------------------------------------------------
+    def stats(self) -> dict:
+        if self.cache is None:
+            return {}
+        return {**self.cache.stats(), "connector": dict(self.connector.stats)}
+
+    def close(self) -> None:
+        if self.cache is not None:
+            self.cache.close()
+            self.cache = None
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _fresh(model):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)

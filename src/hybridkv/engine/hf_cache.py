@@ -1,0 +1,143 @@
+"""Reads pages out of, and rebuilds, a transformers ``DynamicCache`` for hybrid models.
+
+Group 0 holds the K/V of every full-attention layer for one block; group 1 the conv and
+recurrent state of every recurrent layer at one boundary. Each tensor sits at a 64-byte
+aligned offset in the page so a restore can view the bytes as the tensor's dtype.
+Recurrent state keeps its own dtype (fp32 even in bf16 models) so restores stay bitwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hybridkv.errors import HybridKVError
+from hybridkv.layout import Group, Layout, TensorSpec
+
+ALIGN = 64
+ATTENTION_GROUP, STATE_GROUP = 0, 1
+
+
+@dataclass(frozen=True)
+class Part:
+    """One tensor of one layer inside a page."""
+
+    layer: int
+    name: str          # "k", "v", "conv" or "recurrent"
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * torch.empty((), dtype=self.dtype).element_size()
+
+
+def _pack(specs: list[tuple[int, str, tuple[int, ...], torch.dtype]]) -> tuple[list[Part], int]:
+    parts, offset = [], 0
+    for layer, name, shape, dtype in specs:
+        part = Part(layer, name, shape, dtype, offset)
+        parts.append(part)
+        offset += -(-part.nbytes // ALIGN) * ALIGN
+    return parts, offset
+
+
+def _new_cache(model):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+class HFCacheAdapter:
+    """Per-model page geometry, learned from one probe forward of ``block_tokens`` tokens."""
+
+    def __init__(self, model, block_tokens: int, model_name: str):
+        self.model = model
+        self.B = block_tokens
+        cache = _new_cache(model)
+        for layer in cache.layers:
+            if getattr(layer, "is_sliding", False):
+                raise HybridKVError(
+                    f"{model_name} has sliding-window layers, which the reference engine does not "
+                    "cache yet; use a model without them"
+                )
+        with torch.no_grad():
+            ids = torch.full((1, block_tokens), 3, dtype=torch.long)
+            model(input_ids=ids, position_ids=torch.arange(block_tokens)[None], cache=cache,
+                  use_cache=True, logits_to_keep=1)
+        attn, state = [], []
+        for i, layer in enumerate(cache.layers):
+            keys = getattr(layer, "keys", None)
+            if torch.is_tensor(keys) and keys.numel():
+                _, heads, _, dim = keys.shape
+                attn.append((i, "k", (1, heads, block_tokens, dim), keys.dtype))
+                values = layer.values
+                attn.append((i, "v", (1, values.shape[1], block_tokens, values.shape[3]), values.dtype))
+            conv = getattr(layer, "conv_states", {}).get(0) if hasattr(layer, "conv_states") else None
+            if conv is not None:
+                state.append((i, "conv", tuple(conv.shape), conv.dtype))
+                rec = layer.recurrent_states.get(0)
+                if rec is not None:
+                    state.append((i, "recurrent", tuple(rec.shape), rec.dtype))
+        if not attn:
+            raise HybridKVError(f"{model_name} has no attention layer; nothing to page")
+        self.attention_parts, attention_bytes = _pack(attn)
+        self.state_parts, state_bytes = _pack(state)
+        groups = [Group(ATTENTION_GROUP, "attention", attention_bytes,
+                        layers=tuple(f"layers.{i}" for i in sorted({p.layer for p in self.attention_parts})),
+                        tensors=tuple(TensorSpec(f"{p.layer}.{p.name}", p.shape, str(p.dtype))
+                                      for p in self.attention_parts))]
+        if self.state_parts:
+            groups.append(Group(STATE_GROUP, "state", state_bytes,
+                                layers=tuple(f"layers.{i}" for i in sorted({p.layer for p in self.state_parts})),
+                                tensors=tuple(TensorSpec(f"{p.layer}.{p.name}", p.shape, str(p.dtype))
+                                              for p in self.state_parts)))
+        config = model.config
+        self.layout = Layout(
+            model=model_name, block_tokens=block_tokens, groups=tuple(groups),
+            max_model_len=getattr(config, "max_position_embeddings", None),
+            revision=getattr(config, "_commit_hash", None), dtype=str(next(model.parameters()).dtype),
+        )
+
+    # -- reading pages out of a live cache ------------------------------------------------
+    def attention_page(self, cache, block: int) -> np.ndarray:
+        """K/V of every attention layer for block ``block`` (just computed)."""
+        page = torch.empty(self.layout.group(ATTENTION_GROUP).page_bytes, dtype=torch.uint8)
+        s, e = block * self.B, (block + 1) * self.B
+        for p in self.attention_parts:
+            layer = cache.layers[p.layer]
+            src = (layer.keys if p.name == "k" else layer.values)[:, :, s:e, :]
+            page[p.offset:p.offset + p.nbytes].view(p.dtype).view(p.shape).copy_(src)
+        return page.numpy()
+
+    def state_page(self, cache) -> np.ndarray:
+        """The full conv + recurrent state of every recurrent layer, now."""
+        page = torch.empty(self.layout.group(STATE_GROUP).page_bytes, dtype=torch.uint8)
+        for p in self.state_parts:
+            layer = cache.layers[p.layer]
+            src = layer.conv_states[0] if p.name == "conv" else layer.recurrent_states[0]
+            page[p.offset:p.offset + p.nbytes].view(p.dtype).view(p.shape).copy_(src)
+        return page.numpy()
+
+    # -- rebuilding a cache from pages ----------------------------------------------------
+    def restore(self, attention_pages: list[np.ndarray], state_page: np.ndarray | None):
+        """A fresh cache holding ``len(attention_pages)`` blocks and the state at their end."""
+        cache = _new_cache(self.model)
+        pages = [torch.from_numpy(np.asarray(pg)) for pg in attention_pages]
+        by_layer: dict[int, dict[str, torch.Tensor]] = {}
+        for p in self.attention_parts:
+            blocks = [pg[p.offset:p.offset + p.nbytes].view(p.dtype).view(p.shape) for pg in pages]
+            by_layer.setdefault(p.layer, {})[p.name] = torch.cat(blocks, dim=2)
+        for layer, kv in by_layer.items():
+            cache.update(kv["k"], kv["v"], layer)
+        if state_page is not None and self.state_parts:
+            page = torch.from_numpy(np.asarray(state_page))
+            for p in self.state_parts:     # conv first: it marks the layer as having state
+                tensor = page[p.offset:p.offset + p.nbytes].view(p.dtype).view(p.shape).clone()
+                if p.name == "conv":
+                    cache.update_conv_state(tensor, p.layer, conv_kernel_size=p.shape[-1])
+                else:
+                    cache.update_recurrent_state(tensor, p.layer)
+        return cache
