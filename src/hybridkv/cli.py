@@ -91,6 +91,134 @@ def _cmd_gc(args) -> int:
     return 0
 
 
+def _cache_config(args):
+    from hybridkv.config import load_config
+
+    return load_config(args.config, overrides={
+        "block_tokens": args.block_tokens, "ram_bytes": args.ram_bytes, "eviction": args.eviction,
+        "retention": args.retention, "store": args.store, "fs_bytes": args.fs_bytes,
+        "remote": args.remote,
+    })
+
+
+def _read_requests(args) -> list[dict]:
+    """All requests, validated before anything runs (so bad input never half-runs)."""
+    from pathlib import Path
+
+    if args.prompt is not None:
+        return [{"prompt": args.prompt}]
+    if args.prompt_ids is not None:
+        try:
+            text = Path(args.prompt_ids).read_text()
+        except OSError as e:
+            raise HybridKVError(f"cannot read prompt file {args.prompt_ids}: {e.strerror}") from None
+        try:
+            ids = json.loads(text) if text.lstrip().startswith("[") else [int(t) for t in text.split()]
+        except ValueError:
+            raise HybridKVError(
+                f"{args.prompt_ids}: expected a JSON list or whitespace-separated token ids") from None
+        return [{"prompt_ids": ids}]
+    try:
+        lines = Path(args.requests).read_text().splitlines()
+    except OSError as e:
+        raise HybridKVError(f"cannot read requests file {args.requests}: {e.strerror}") from None
+    requests = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except ValueError as e:
+            raise HybridKVError(f"{args.requests} line {number}: not valid JSON ({e.msg})") from None
+        if not isinstance(item, dict) or ("prompt" in item) == ("prompt_ids" in item):
+            raise HybridKVError(
+                f"{args.requests} line {number}: needs exactly one of \"prompt\" or \"prompt_ids\"")
+        ids = item.get("prompt_ids")
+        if ids is not None and not (isinstance(ids, list) and all(isinstance(t, int) for t in ids)):
+            raise HybridKVError(f"{args.requests} line {number}: prompt_ids must be a list of integers")
+        requests.append(item)
+    if not requests:
+        raise HybridKVError(f"{args.requests} holds no requests")
+    return requests
+
+
+def _quiet_transformers() -> None:
+    import logging
+    import warnings
+
+    logging.basicConfig(level=logging.WARNING, format="hybridkv: %(message)s")
+    try:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+    except ImportError:
+        raise HybridKVError("the reference engine needs transformers: pip install 'hybridkv[hf]'") from None
+    warnings.filterwarnings("ignore")
+
+
+def _cmd_generate(args) -> int:
+    from hybridkv.engine.engine import Engine
+
+    config = _cache_config(args)
+    requests = _read_requests(args)
+    _quiet_transformers()
+    with Engine(args.model, config, use_cache=not args.no_cache, dtype=args.dtype) as engine:
+        for vocab_check in requests:
+            ids = vocab_check.get("prompt_ids")
+            vocab = engine.model.config.vocab_size
+            if ids is not None and any(not 0 <= t < vocab for t in ids):
+                raise HybridKVError(f"prompt_ids must be in [0, {vocab}) for {args.model}")
+        for item in requests:
+            prompt = item.get("prompt_ids", item.get("prompt"))
+            result = engine.generate(prompt, int(item.get("max_new_tokens", args.max_new_tokens)),
+                                     salt=item.get("salt"))
+            if args.json:
+                print(json.dumps(result.to_dict()), flush=True)
+            else:
+                source = ", ".join(f"{k} {v}" for k, v in result.loaded_pages.items() if v) or "none"
+                print(f"request {result.request}: {result.prompt_tokens} tokens, {result.hit_tokens} "
+                      f"restored (pages from {source}), {result.computed_tokens} computed, "
+                      f"TTFT {result.ttft_s * 1000:.1f} ms")
+                print(f"  output: {engine.decode(result.output_token_ids)!r}", flush=True)
+    return 0
+
+
+def _cmd_models(args) -> int:
+    from hybridkv.engine.models import describe_builtins
+
+    models = describe_builtins()
+    if args.json:
+        print(json.dumps(models))
+    else:
+        for m in models:
+            print(f"{m['name']:<22} {m['family']:<18} attention layers {m['attention_layers']}, "
+                  f"state layers {m['state_layers']}")
+    return 0
+
+
+def _cmd_layout(args) -> int:
+    from hybridkv.engine.engine import Engine
+
+    _quiet_transformers()
+    from hybridkv.config import CacheConfig
+
+    engine = Engine(args.model, CacheConfig(block_tokens=args.block_tokens), use_cache=False,
+                    dtype=args.dtype)
+    print(engine.layout.to_json())
+    return 0
+
+
+def _add_cache_flags(p) -> None:
+    p.add_argument("--config", help="TOML or JSON file with cache settings")
+    p.add_argument("--store", help="filesystem tier directory (persistent)")
+    p.add_argument("--remote", help="Redis/Valkey URL of a shared remote tier")
+    p.add_argument("--ram-bytes", help="RAM tier budget, e.g. 256MiB")
+    p.add_argument("--fs-bytes", help="filesystem tier quota, e.g. 20GiB")
+    p.add_argument("--block-tokens", type=int, help="tokens per block (default 64)")
+    p.add_argument("--retention", help="dense, 0 (semantic, default) or an interval in tokens")
+    p.add_argument("--eviction", choices=["lru", "arc"])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hybridkv", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -120,6 +248,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-bytes", required=True, help="e.g. 100GiB")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_gc)
+
+    p = sub.add_parser("generate", help="run prompts through a hybrid model with the cache")
+    p.add_argument("--model", default="tiny-hybrid", help="built-in name or local checkpoint dir")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    _add_cache_flags(p)
+    p.add_argument("--no-cache", action="store_true", help="same chunking, no cache: the cold control")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="prompt text")
+    source.add_argument("--prompt-ids", help="file with token ids (JSON list or whitespace separated)")
+    source.add_argument("--requests", help="JSONL file: {\"prompt\"|\"prompt_ids\", \"max_new_tokens\"?, \"salt\"?}")
+    p.add_argument("--json", action="store_true", help="one JSON object per request")
+    p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("models", help="list the built-in models")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_models)
+
+    p = sub.add_parser("layout", help="print a model's cache layout (input for 'plan')")
+    p.add_argument("--model", default="tiny-hybrid")
+    p.add_argument("--block-tokens", type=int, default=64)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.set_defaults(func=_cmd_layout)
     return parser
 
 

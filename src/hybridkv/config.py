@@ -60,6 +60,8 @@ class CacheConfig:
     remote_timeout_s: float = 0.5
 
     def __post_init__(self):
+        for name in _FIELDS:  # accept "4GiB", "dense", "64" from library users too
+            object.__setattr__(self, name, _coerce(name, getattr(self, name)))
         if isinstance(self.block_tokens, bool) or not isinstance(self.block_tokens, int) or self.block_tokens <= 0:
             raise HybridKVError(f"block_tokens must be a positive integer, got {self.block_tokens!r}")
         if self.ram_bytes <= 0:

@@ -94,7 +94,7 @@ class Connector:
             wanted = self._wanted(req)
             counts = {"ram": 0, "fs": 0, "remote": 0}
             n = req.hit.tokens // self.B
-            for gid, keys in wanted.items():
+            for gid in wanted:
                 blocks = range(n) if gid in self.token_groups else [n - 1]
                 for b in blocks:
                     counts[req.where[gid][b]] += 1

@@ -118,3 +118,21 @@ class ByteTokenizer:
     def decode(self, ids) -> str:
         return bytes(i - self.offset for i in ids if self.offset <= i < 256 + self.offset).decode(
             "utf-8", errors="replace")
+
+
+ATTENTION_TYPES = {"full_attention", "attention", "hybrid"}
+STATE_TYPES = {"linear_attention", "mamba", "conv", "hybrid"}
+
+
+def describe_builtins() -> list[dict]:
+    """Name, family and layer counts of each built-in, from its config (no weights built)."""
+    import transformers
+
+    out = []
+    for spec in BUILTINS.values():
+        config = getattr(transformers, spec.config_class)(**spec.kwargs)
+        types = list(getattr(config, "layer_types", None) or [])
+        out.append({"name": spec.name, "family": spec.family,
+                    "attention_layers": sum(t in ATTENTION_TYPES for t in types),
+                    "state_layers": sum(t in STATE_TYPES for t in types)})
+    return out

@@ -1,0 +1,199 @@
+"""Restores through the real HF models: identical output, exact hit lengths, junctions."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from hybridkv.config import CacheConfig
+from hybridkv.engine.engine import Engine
+from hybridkv.engine.hf_cache import STATE_GROUP
+from hybridkv.engine.models import BUILTINS
+from hybridkv.fs_tier import page_path
+from hybridkv.keys import block_hashes
+from hybridkv.retention import replay_boundary
+
+from conftest import assert_one_line_error, run_cli
+
+B = 64
+
+
+def prompt(n, seed=0):
+    return np.random.default_rng(seed).integers(3, 259, n).tolist()
+
+
+def same_logits(a, b):
+    return len(a.logits) == len(b.logits) and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits, strict=True))
+
+
+@pytest.mark.parametrize("name", sorted(BUILTINS))
+def test_restore_from_ram_and_disk_is_bit_identical(name, tmp_path):
+    ids = prompt(5 * B + 17)
+    cfg = CacheConfig(block_tokens=B, store=str(tmp_path), ram_bytes=32 * 1024**2)
+    cold = Engine(name, cfg, use_cache=False).generate(ids, 6)
+    with Engine(name, cfg) as engine:
+        first = engine.generate(ids, 6)
+        ram = engine.generate(ids, 6)
+    with Engine(name, cfg) as engine:          # empty RAM: pages come from disk
+        disk = engine.generate(ids, 6)
+    assert first.hit_tokens == 0 and same_logits(cold, first)
+    for warm, tier in ((ram, "ram"), (disk, "fs")):
+        assert warm.hit_tokens == replay_boundary(len(ids), B) == 5 * B
+        assert warm.loaded_pages[tier] == 5 + 1       # five attention blocks + one state
+        assert warm.output_token_ids == cold.output_token_ids
+        assert same_logits(cold, warm)
+
+
+@pytest.mark.parametrize("name", ["tiny-hybrid", "tiny-granite-hybrid"])
+def test_bfloat16_restore_is_bit_identical(name, tmp_path):
+    ids = prompt(3 * B + 5, seed=3)
+    cfg = CacheConfig(block_tokens=B, store=str(tmp_path))
+    cold = Engine(name, cfg, use_cache=False, dtype="bfloat16").generate(ids, 4)
+    with Engine(name, cfg, dtype="bfloat16") as engine:
+        engine.generate(ids, 4)
+        warm = engine.generate(ids, 4)
+    assert warm.hit_tokens == 3 * B and same_logits(cold, warm)
+
+
+def test_hit_at_replay_boundary_when_prompt_is_block_aligned(tmp_path):
+    ids = prompt(4 * B)
+    with Engine("tiny-hybrid", CacheConfig(block_tokens=B)) as engine:
+        engine.generate(ids, 2)
+        again = engine.generate(ids, 2)
+    assert again.hit_tokens == 3 * B and again.computed_tokens == B
+
+
+def test_missing_state_at_deepest_boundary_drops_to_previous_state(tmp_path):
+    ids = prompt(5 * B + 3)
+    cfg = CacheConfig(block_tokens=B, store=str(tmp_path), retention=2 * B)
+    with Engine("tiny-hybrid", cfg) as engine:
+        cold = engine.generate(ids, 4)
+        layout = engine.layout
+    assert cold.stored_pages == {"attention": 5, "state": 3}    # boundaries 128, 256, 320
+    keys = block_hashes(ids, B)
+    namespace = tmp_path / layout.fingerprint()
+    page_path(namespace, STATE_GROUP, keys[4]).unlink()            # the state at 320 is gone
+    with Engine("tiny-hybrid", cfg) as engine:
+        warm = engine.generate(ids, 4)
+    assert warm.hit_tokens == 4 * B and warm.output_token_ids == cold.output_token_ids
+    assert same_logits(cold, warm)
+
+
+def _siblings(system_blocks=4, seed=7):
+    system = prompt(system_blocks * B + 10, seed)
+    return [system + prompt(70, seed + i) for i in (1, 2, 3)]
+
+
+@pytest.mark.parametrize("discover_from", ["ram", "fs"])
+def test_junction_is_stored_and_served_to_a_third_request(tmp_path, discover_from):
+    a, b, c = _siblings()
+    cfg = CacheConfig(block_tokens=B, store=str(tmp_path))
+    engine = Engine("tiny-hybrid", cfg)
+    engine.generate(a, 2)
+    if discover_from == "fs":
+        engine.close()
+        engine = Engine("tiny-hybrid", cfg)
+    second = engine.generate(b, 2)
+    # a and b share 4 blocks of attention, but A kept its state only at its replay boundary
+    assert second.hit_tokens == 0 and second.junction == 4 * B
+    assert second.stored_pages["state"] == 2                    # the junction and its own replay
+    third = engine.generate(c, 2)
+    cold = Engine("tiny-hybrid", cfg, use_cache=False).generate(c, 2)
+    engine.close()
+    assert third.hit_tokens == 4 * B and third.junction is None
+    assert same_logits(cold, third)
+
+
+def test_lru_pressure_recent_from_ram_old_from_disk(tmp_path):
+    a, b, c = (prompt(6 * B + 1, seed) for seed in (11, 12, 13))
+    cfg = CacheConfig(block_tokens=B, store=str(tmp_path), ram_bytes="500KiB", reference_tokens=6 * B)
+    with Engine("tiny-hybrid", cfg) as engine:
+        slots = engine.cache.plan.token_slots
+        assert 6 <= slots < 12, slots                             # room for about one prompt
+        cold_a = engine.generate(a, 3)
+        engine.generate(b, 3)
+        engine.generate(c, 3)
+        recent = engine.generate(c, 3)
+        old = engine.generate(a, 3)
+    assert recent.hit_tokens == 6 * B and recent.loaded_pages["ram"] == 7
+    assert old.hit_tokens == 6 * B and old.loaded_pages["fs"] > 0
+    assert old.output_token_ids == cold_a.output_token_ids and same_logits(cold_a, old)
+
+
+def test_salt_isolates_tenants():
+    ids = prompt(3 * B + 1)
+    with Engine("tiny-hybrid", CacheConfig(block_tokens=B)) as engine:
+        engine.generate(ids, 2, salt="alice")
+        assert engine.generate(ids, 2, salt="bob").hit_tokens == 0
+        assert engine.generate(ids, 2, salt="alice").hit_tokens == 3 * B
+
+
+def test_max_stored_tokens_caps_what_a_request_stores():
+    ids = prompt(6 * B + 1)
+    with Engine("tiny-hybrid", CacheConfig(block_tokens=B)) as engine:
+        first = engine.generate(ids, 2, max_stored_tokens=2 * B)
+        assert first.stored_pages == {"attention": 2, "state": 0}
+
+
+def test_restart_in_fresh_process_via_cli(tmp_path):
+    args = ["generate", "--store", tmp_path, "--prompt", "hello hybrid world " * 12,
+            "--max-new-tokens", "5", "--json"]
+    first = run_cli(*args)
+    assert first.returncode == 0, first.stderr
+    second = run_cli(*args)
+    one, two = json.loads(first.stdout), json.loads(second.stdout)
+    assert one["hit_tokens"] == 0 and two["hit_tokens"] == 192
+    assert two["loaded_pages"]["fs"] == 4 and two["output_token_ids"] == one["output_token_ids"]
+    cold = json.loads(run_cli(*args, "--no-cache").stdout)
+    assert cold["output_token_ids"] == one["output_token_ids"]
+
+
+def test_requests_file_runs_in_order_with_shared_ram(tmp_path):
+    path = tmp_path / "r.jsonl"
+    ids = prompt(2 * B + 5)
+    path.write_text("\n".join(json.dumps(x) for x in [
+        {"prompt_ids": ids, "max_new_tokens": 2}, {"prompt_ids": ids, "max_new_tokens": 3},
+        {"prompt": "short", "salt": "t1"}]) + "\n")
+    proc = run_cli("generate", "--requests", path, "--json")
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["request"] for r in rows] == [0, 1, 2]
+    assert rows[1]["hit_tokens"] == 2 * B and rows[1]["loaded_pages"]["ram"] == 3
+    assert len(rows[1]["output_token_ids"]) == 3
+
+
+@pytest.mark.parametrize("content, fragment", [
+    ('{"prompt": "ok"}\n{"prompt": \n', "line 2: not valid JSON"),
+    ('{"prompt": "a", "prompt_ids": [1]}\n', "line 1: needs exactly one of"),
+    ('{"prompt_ids": ["x"]}\n', "line 1: prompt_ids must be a list of integers"),
+])
+def test_bad_requests_file(tmp_path, content, fragment):
+    path = tmp_path / "r.jsonl"
+    path.write_text(content)
+    assert_one_line_error(run_cli("generate", "--requests", path), fragment)
+
+
+def test_generate_bad_input(tmp_path):
+    assert_one_line_error(run_cli("generate", "--model", "tiny-nope", "--prompt", "x"), "unknown model 'tiny-nope'")
+    assert_one_line_error(run_cli("generate", "--prompt-ids", tmp_path / "missing"), "cannot read prompt file")
+    long_ids = tmp_path / "ids.txt"
+    long_ids.write_text(" ".join(["5"] * 40000))
+    assert_one_line_error(run_cli("generate", "--prompt-ids", long_ids), "exceeds the model's maximum length")
+    blocker = tmp_path / "file"
+    blocker.write_text("keep me")
+    assert_one_line_error(run_cli("generate", "--store", blocker / "s", "--prompt", "x"), "not writable")
+    assert blocker.read_text() == "keep me"
+    assert_one_line_error(run_cli("generate", "--prompt", "x", "--retention", "100"), "not a multiple")
+
+
+def test_models_and_layout_cli():
+    models = json.loads(run_cli("models", "--json").stdout)
+    assert {m["name"] for m in models} == set(BUILTINS)
+    hybrid = next(m for m in models if m["name"] == "tiny-hybrid")
+    assert hybrid == {"name": "tiny-hybrid", "family": "qwen3_next", "attention_layers": 1, "state_layers": 3}
+    proc = run_cli("layout", "--model", "tiny-granite-hybrid", "--block-tokens", "128")
+    layout = json.loads(proc.stdout)
+    assert layout["block_tokens"] == 128
+    kinds = {g["kind"]: g["page_bytes"] for g in layout["groups"]}
+    assert kinds["attention"] == 2 * 2 * 128 * 32 * 4        # K and V, 2 heads x 32 dims, fp32
+    assert kinds["state"] > 0
