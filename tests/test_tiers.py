@@ -295,3 +295,21 @@ def test_store_cli_errors(tmp_path):
     assert_one_line_error(run_cli("inspect", "--store", tmp_path / "nope"), "does not exist")
     assert_one_line_error(run_cli("gc", "--store", tmp_path, "--max-bytes", "lots"), "--max-bytes")
     assert_one_line_error(run_cli("inspect"), "--store DIR or --remote URL")
+
+
+def test_promotion_never_evicts_resident_pages_of_the_same_request(tmp_path):
+    config = CacheConfig(block_tokens=16, ram_bytes=1024**2, store=str(tmp_path))
+    with TieredCache(LAYOUT, config) as cache:
+        cache.store({0: [(key(i), page(0, i)) for i in range(3)]})
+        cache.drain()
+    small = LAYOUT.group(0).page_bytes * 3 + LAYOUT.group(1).page_bytes * 4
+    with TieredCache(LAYOUT, config.replace(ram_bytes=small, reference_tokens=32)) as cache:
+        assert cache.plan.token_slots == 3
+        cache.acquire({0: [key(0)]})                    # key 0 promoted, then released
+        cache.release({0: [key(0)]})
+        cache.store({0: [(key(7), page(0, 7)), (key(8), page(0, 8))]})   # RAM now full
+        cache.drain()
+        views = cache.acquire({0: [key(0), key(1), key(2)]})
+        assert views is not None
+        for i in range(3):
+            assert np.array_equal(views[0][i], page(0, i))

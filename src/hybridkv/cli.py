@@ -183,6 +183,15 @@ def _cmd_generate(args) -> int:
     return 0
 
 
+def _cmd_demo(args) -> int:
+    from hybridkv.demo import main_demo
+
+    if args.prompt_tokens < 4 * 64:
+        raise HybridKVError("--prompt-tokens must be at least 256 for the demo to show anything")
+    _quiet_transformers()
+    return main_demo(args)
+
+
 def _cmd_models(args) -> int:
     from hybridkv.engine.models import describe_builtins
 
@@ -261,6 +270,14 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--requests", help="JSONL file: {\"prompt\"|\"prompt_ids\", \"max_new_tokens\"?, \"salt\"?}")
     p.add_argument("--json", action="store_true", help="one JSON object per request")
     p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("demo", help="watch the cache work: RAM, junction, restart, pressure")
+    p.add_argument("--model", default="tiny-hybrid")
+    p.add_argument("--store", help="keep the demo's store here (default: a temp dir)")
+    p.add_argument("--prompt-tokens", type=int, default=3000)
+    p.add_argument("--plot", default="hybridkv-demo.png", help="PNG chart path ('' for none)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser("models", help="list the built-in models")
     p.add_argument("--json", action="store_true")

@@ -105,42 +105,45 @@ class TieredCache:
                 ) -> dict[int, list[np.ndarray]] | None:
         """Pin every wanted page in RAM (promoting from secondary tiers) and return views.
 
+        Pages already in RAM are pinned first, so promoting the rest cannot evict them.
         None when a page could not be brought into RAM (gone, corrupt, or RAM refused):
         the caller recomputes its hit, which now sees the page as missing.
         """
-        if not self._promote(wanted):
+        resident: dict[int, list[bytes]] = {}
+        missing: dict[int, list[bytes]] = {}
+        for gid, keys in wanted.items():
+            pool = self.manager.pool(gid)
+            for key in keys:
+                state = pool.lookup(key)
+                if state is Lookup.HIT_PENDING:
+                    return None
+                (resident if state is Lookup.HIT else missing).setdefault(gid, []).append(key)
+        self.manager.prepare_load(resident, request)
+        if missing and not self._promote(missing):
+            self.manager.complete_load(resident, request)
             return None
-        slots = self.manager.prepare_load(wanted, request)
-        views = {gid: [self.regions[gid].page(s) for s in ss] for gid, ss in slots.items()}
-        ram = self.counters[RAM]
-        for gid, pages in views.items():
-            ram.bytes_out += len(pages) * self.layout.group(gid).page_bytes
+        if missing:
+            self.manager.prepare_load(missing, request)
+        self.counters[RAM].hits += sum(len(k) for k in resident.values())
+        views = {}
+        for gid, keys in wanted.items():
+            region, pool = self.regions[gid], self.manager.pool(gid)
+            views[gid] = [region.page(pool.slot_of(k)) for k in keys]
+            self.counters[RAM].bytes_out += len(keys) * region.page_bytes
         return views
 
     def release(self, wanted: Mapping[int, Sequence[bytes]], request: str | None = None) -> None:
         self.manager.complete_load(wanted, request)
 
-    def _promote(self, wanted: Mapping[int, Sequence[bytes]]) -> bool:
-        need: dict[int, list[bytes]] = {}
+    def _promote(self, missing: Mapping[int, Sequence[bytes]]) -> bool:
+        """Read pages from the first secondary tier holding them into fresh RAM slots."""
         sources: dict[tuple[int, bytes], str] = {}
-        for gid, keys in wanted.items():
-            pool = self.manager.pool(gid)
-            for key in keys:
-                state = pool.lookup(key)
-                if state is Lookup.HIT:
-                    continue
-                if state is Lookup.HIT_PENDING:
-                    return False
-                need.setdefault(gid, []).append(key)
-        if not need:
-            self.counters[RAM].hits += sum(len(k) for k in wanted.values())
-            return True
-        for gid, keys in need.items():
+        for gid, keys in missing.items():
             for key, where in zip(keys, self.locate(gid, keys), strict=True):
                 if where is None:
                     return False
                 sources[(gid, key)] = where
-        plans = self.manager.prepare_store(need)
+        plans = self.manager.prepare_store(missing)
         if plans is None:
             return False
         tiers = {t.name: t for t in self.secondaries}

@@ -7,6 +7,7 @@ so junctions and retained boundaries need no special chunking.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -37,8 +38,18 @@ class GenerationResult:
     ttft_s: float
     logits: list[torch.Tensor] = field(default_factory=list, repr=False)
 
+    @property
+    def logits_digest(self) -> str:
+        """sha256 of every logit produced: equal digests = bit-identical outputs, across processes."""
+        h = hashlib.sha256()
+        for row in self.logits:
+            h.update(row.float().numpy().tobytes())
+        return h.hexdigest()[:32]
+
     def to_dict(self) -> dict:
-        return {k: v for k, v in vars(self).items() if k != "logits"}
+        out = {k: v for k, v in vars(self).items() if k != "logits"}
+        out["logits_digest"] = self.logits_digest
+        return out
 
 
 class Engine:
