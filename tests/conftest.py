@@ -32,3 +32,58 @@ def assert_one_line_error(proc, *fragments):
 @pytest.fixture
 def seed_layout_dict():
     return json.loads((LAYOUTS / "seed-flash-next.json").read_text())
+
+
+class RedisServer:
+    """A real redis-server on a free loopback port, with no persistence, for one test scope."""
+
+    def __init__(self, port: int | None = None, *extra: str):
+        import shutil
+        import socket
+
+        if shutil.which("redis-server") is None:
+            raise RuntimeError("redis-server is not installed; run .ci/run or apt-get install redis-server")
+        if port is None:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+        self.port, self.extra, self.proc = port, extra, None
+        self.url = f"redis://127.0.0.1:{port}/0"
+
+    def start(self):
+        import time
+
+        import redis
+
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", *self.extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
+        for _ in range(100):
+            try:
+                client.ping()
+                return self
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        raise RuntimeError(f"redis-server did not start on port {self.port}")
+
+    def stop(self):
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    server = RedisServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server):
+    import redis
+
+    redis.Redis.from_url(redis_server.url).flushall()
+    return redis_server.url

@@ -218,8 +218,9 @@ class FilesystemTier:
         del header, payload, view
         buf.close()
 
-    def submit_read(self, group: int, key: bytes, out: np.ndarray) -> Future:
-        return self._io.submit(READ, self.read, group, key, out)
+    def submit_reads(self, items: list[tuple[int, bytes, np.ndarray]]) -> list[Future]:
+        """One job per file so both I/O threads work; reads jump ahead of queued writes."""
+        return [self._io.submit(READ, self.read, *item) for item in items]
 
     # -- writes ---------------------------------------------------------------------------
     def write(self, group: int, key: bytes, payload) -> bool:
@@ -276,8 +277,8 @@ class FilesystemTier:
             os.close(fd)
             buf.close()
 
-    def submit_write(self, group: int, key: bytes, payload) -> Future:
-        return self._io.submit(WRITE, self.write, group, key, payload)
+    def submit_writes(self, items: list[tuple[int, bytes, object]]) -> list[Future]:
+        return [self._io.submit(WRITE, self.write, *item) for item in items]
 
     def _enforce_quota(self, keep) -> None:
         if self.max_bytes is None:

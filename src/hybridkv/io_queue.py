@@ -53,3 +53,19 @@ class IOQueue:
             self._queue.put((WRITE + 1, next(self._seq), None, (), None))
         for t in self._threads:
             t.join()
+
+
+def fan_out(batch: Future, n: int) -> list[Future]:
+    """Per-item futures for a batch future whose result is a list of n results."""
+    items = [Future() for _ in range(n)]
+
+    def settle(done: Future) -> None:
+        error = done.exception()
+        for i, item in enumerate(items):
+            if error is not None:
+                item.set_exception(error)
+            else:
+                item.set_result(done.result()[i])
+
+    batch.add_done_callback(settle)
+    return items

@@ -146,12 +146,15 @@ class TieredCache:
         plans = self.manager.prepare_store(missing)
         if plans is None:
             return False
-        tiers = {t.name: t for t in self.secondaries}
-        jobs = []
+        by_tier: dict[str, list] = {}
         for gid, plan in plans.items():
             for key, slot in zip(plan.keys, plan.slots, strict=True):
-                tier = tiers[sources[(gid, key)]]
-                jobs.append((gid, key, tier, tier.submit_read(gid, key, self.regions[gid].page(slot))))
+                by_tier.setdefault(sources[(gid, key)], []).append((gid, key, self.regions[gid].page(slot)))
+        jobs = []
+        for tier in self.secondaries:
+            items = by_tier.get(tier.name, [])
+            for (gid, key, _), future in zip(items, tier.submit_reads(items), strict=True):
+                jobs.append((gid, key, tier, future))
         ok = True
         for gid, key, tier, future in jobs:
             success = bool(future.result())
@@ -185,17 +188,19 @@ class TieredCache:
                 ram.bytes_in += region.page_bytes
         self.manager.complete_store({gid: plan.keys for gid, plan in plans.items()})
         if self.secondaries:
+            jobs, items = [], []
             for gid, plan in plans.items():
                 if not plan.keys:
                     continue
                 slots = self.manager.prepare_load({gid: plan.keys})[gid]   # pinned until written
                 for key, slot in zip(plan.keys, slots, strict=True):
-                    job = _WriteThrough(gid, key)
-                    page = self.regions[gid].page(slot)
-                    for tier in self.secondaries:
-                        job.futures.append(tier.submit_write(gid, key, page))
-                        self.counters[tier.name].bytes_in += page.nbytes
-                    self._writes.append(job)
+                    jobs.append(_WriteThrough(gid, key))
+                    items.append((gid, key, self.regions[gid].page(slot)))
+            for tier in self.secondaries:
+                for job, future in zip(jobs, tier.submit_writes(items), strict=True):
+                    job.futures.append(future)
+                self.counters[tier.name].bytes_in += sum(page.nbytes for _, _, page in items)
+            self._writes.extend(jobs)
         return True
 
     def poll(self) -> int:

@@ -1,0 +1,258 @@
+"""The shared remote tier on Redis or Valkey (single node or cluster).
+
+Pages are stored in the same self-checking format as on disk, under
+``<prefix>:{<fingerprint>:<group>:<key hex>}:<chunk>``; the hash tag keeps every chunk of a
+page in one cluster slot. Existence checks, reads and writes are pipelined: one round trip
+per batch. When the server is unreachable the tier answers "miss", skips stores, retries
+with exponential backoff and logs once per state change; it never raises into the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from urllib.parse import urlsplit, urlunsplit
+
+import numpy as np
+
+from hybridkv import pagefile
+from hybridkv.errors import HybridKVError
+from hybridkv.io_queue import READ, WRITE, IOQueue, fan_out
+from hybridkv.layout import Layout
+
+log = logging.getLogger(__name__)
+CHUNK_BYTES = 32 * 1024 * 1024
+BACKOFF_START_S, BACKOFF_MAX_S = 0.25, 30.0
+
+
+def _redis():
+    try:
+        import redis
+    except ImportError:
+        raise HybridKVError("the remote tier needs redis-py: pip install 'hybridkv[redis]'") from None
+    return redis
+
+
+def masked(url: str) -> str:
+    """The URL without its password, for logs and reports."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def connect(url: str, timeout_s: float):
+    """A client for ``url``; ``?cluster=true`` (or a cluster-enabled server) gives a cluster client."""
+    redis = _redis()
+    cluster = "cluster=true" in url or "cluster=1" in url
+    clean = url.replace("?cluster=true", "").replace("?cluster=1", "")
+    kwargs = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+    try:
+        if cluster:
+            from redis.cluster import RedisCluster
+
+            return RedisCluster.from_url(clean, **kwargs)
+        return redis.Redis.from_url(clean, **kwargs)
+    except (ValueError, redis.RedisError) as e:
+        raise HybridKVError(f"remote URL {masked(url)} is unusable: {e}") from None
+
+
+class RemoteTier:
+    name = "remote"
+
+    def __init__(self, url: str, layout: Layout, prefix: str = "hybridkv", ttl_s: int | None = None,
+                 timeout_s: float = 0.5, threads: int = 2, chunk_bytes: int = CHUNK_BYTES):
+        self.url = url
+        self.layout = layout
+        self.namespace = f"{prefix}:{{{layout.fingerprint()}"
+        self.ttl_ms = int(ttl_s * 1000) if ttl_s else None
+        self.chunk_bytes = chunk_bytes
+        self._redis = _redis()
+        self.client = connect(url, timeout_s)
+        self._lock = threading.Lock()
+        self._down_until = 0.0
+        self._backoff = BACKOFF_START_S
+        self._down = False
+        self.stats = {"reads": 0, "read_bytes": 0, "writes": 0, "write_bytes": 0, "corrupt": 0,
+                      "skipped_stores": 0, "errors": 0, "outages": 0}
+        self._io = IOQueue(threads, "hybridkv-remote")
+        self._call(lambda: self.client.ping())      # report an unreachable server once, at start
+
+    # -- keys and health ------------------------------------------------------------------
+    def _chunks(self, group: int) -> int:
+        total = pagefile.HEADER_BYTES + self.layout.group(group).page_bytes
+        return -(-total // self.chunk_bytes)
+
+    def page_keys(self, group: int, key: bytes) -> list[str]:
+        base = f"{self.namespace}:{group}:{key.hex()}}}"
+        return [f"{base}:{i}" for i in range(self._chunks(group))]
+
+    def available(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def _call(self, fn, default=None):
+        """Run one batch against the server; on connection trouble mark the tier down."""
+        if not self.available():
+            return default
+        try:
+            result = fn()
+        except (self._redis.ConnectionError, self._redis.TimeoutError, OSError) as e:
+            with self._lock:
+                self.stats["errors"] += 1
+                self._down_until = time.monotonic() + self._backoff
+                self._backoff = min(BACKOFF_MAX_S, self._backoff * 2)
+                if not self._down:
+                    self._down = True
+                    self.stats["outages"] += 1
+                    log.warning("remote tier %s unreachable (%s); serving misses, retrying with backoff",
+                                masked(self.url), e)
+            return default
+        with self._lock:
+            self._backoff = BACKOFF_START_S
+            if self._down:
+                self._down = False
+                log.warning("remote tier %s is back", masked(self.url))
+        return result
+
+    # -- lookups --------------------------------------------------------------------------
+    def contains_many(self, group: int, keys: list[bytes]) -> list[bool]:
+        """One pipelined round trip: does chunk 0 of each page exist?"""
+        if not keys:
+            return []
+
+        def batch():
+            pipe = self.client.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(self.page_keys(group, k)[0])
+            return [bool(n) for n in pipe.execute()]
+
+        return self._call(batch, default=[False] * len(keys))
+
+    def contains(self, group: int, key: bytes) -> bool:
+        return self.contains_many(group, [key])[0]
+
+    # -- reads ----------------------------------------------------------------------------
+    def read_many(self, items: list[tuple[int, bytes, np.ndarray]]) -> list[bool]:
+        """Fetch pages in one pipelined round trip; verify each, delete and count bad ones."""
+        if not items:
+            return []
+
+        def batch():
+            pipe = self.client.pipeline(transaction=False)
+            for group, key, _ in items:
+                for name in self.page_keys(group, key):
+                    pipe.get(name)
+            return pipe.execute()
+
+        values = self._call(batch)
+        if values is None:
+            return [False] * len(items)
+        results, pos, bad = [], 0, []
+        for group, key, out in items:
+            n = self._chunks(group)
+            parts = values[pos:pos + n]
+            pos += n
+            if any(p is None for p in parts):
+                results.append(False)
+                if parts[0] is not None:
+                    bad.append((group, key))      # a chunk was evicted: the rest is useless
+                continue
+            try:
+                payload = pagefile.decode(b"".join(parts), group, key)
+                if len(payload) != out.nbytes:
+                    raise pagefile.CorruptPage("payload size does not match the layout")
+            except pagefile.CorruptPage as e:
+                log.warning("remote page %s is corrupt (%s); deleted", key.hex(), e)
+                bad.append((group, key))
+                results.append(False)
+                continue
+            np.copyto(out, np.frombuffer(payload, dtype=np.uint8))
+            results.append(True)
+            with self._lock:
+                self.stats["reads"] += 1
+                self.stats["read_bytes"] += out.nbytes
+        if bad:
+            with self._lock:
+                self.stats["corrupt"] += len(bad)
+            self._call(lambda: self.client.delete(*[n for g, k in bad for n in self.page_keys(g, k)]))
+        return results
+
+    def read(self, group: int, key: bytes, out: np.ndarray) -> bool:
+        return self.read_many([(group, key, out)])[0]
+
+    def submit_reads(self, items: list[tuple[int, bytes, np.ndarray]]) -> list[Future]:
+        """One pipelined batch for all items; one future per item."""
+        return fan_out(self._io.submit(READ, self.read_many, items), len(items))
+
+    # -- writes ---------------------------------------------------------------------------
+    def write_many(self, items: list[tuple[int, bytes, object]]) -> bool:
+        """Store pages in one pipelined round trip (SET with optional expiry)."""
+        if not self.available():
+            with self._lock:
+                self.stats["skipped_stores"] += len(items)
+            return False
+
+        def batch():
+            pipe = self.client.pipeline(transaction=False)
+            size = 0
+            for group, key, payload in items:
+                blob = pagefile.encode(group, key, memoryview(payload).cast("B"))
+                size += len(blob)
+                for i, name in enumerate(self.page_keys(group, key)):
+                    pipe.set(name, blob[i * self.chunk_bytes:(i + 1) * self.chunk_bytes], px=self.ttl_ms)
+            pipe.execute()
+            return size
+
+        try:
+            size = self._call(batch)
+        except self._redis.ResponseError as e:      # e.g. OOM with maxmemory and noeviction
+            log.warning("remote tier refused a store: %s", e)
+            size = None
+        with self._lock:
+            if size is None:
+                self.stats["skipped_stores"] += len(items)
+                return False
+            self.stats["writes"] += len(items)
+            self.stats["write_bytes"] += size
+        return True
+
+    def write(self, group: int, key: bytes, payload) -> bool:
+        return self.write_many([(group, key, payload)])
+
+    def submit_writes(self, items: list[tuple[int, bytes, object]]) -> list[Future]:
+        batch = self._io.submit(WRITE, lambda: [self.write_many(items)] * len(items))
+        return fan_out(batch, len(items))
+
+    def close(self) -> None:
+        self._io.close()
+        try:
+            self.client.close()
+        except Exception:  # closing a dead connection must not fail a clean shutdown
+            log.debug("remote client close failed", exc_info=True)
+
+
+def inspect_remote(url: str, prefix: str = "hybridkv", timeout_s: float = 2.0) -> dict:
+    """Pages and bytes per namespace under ``prefix`` (SCAN + pipelined STRLEN)."""
+    redis = _redis()
+    client = connect(url, timeout_s)
+    namespaces: dict[str, dict] = {}
+    try:
+        names = list(client.scan_iter(match=f"{prefix}:*", count=1000))
+        pipe = client.pipeline(transaction=False)
+        for name in names:
+            pipe.strlen(name)
+        sizes = pipe.execute() if names else []
+    except (redis.ConnectionError, redis.TimeoutError) as e:
+        raise HybridKVError(f"cannot reach remote {masked(url)}: {e}; is the server running?") from None
+    for name, size in zip(names, sizes, strict=True):
+        text = name.decode() if isinstance(name, bytes) else name
+        fingerprint = text.split("{", 1)[-1].split(":", 1)[0]
+        ns = namespaces.setdefault(fingerprint, {"fingerprint": fingerprint, "keys": 0, "bytes": 0})
+        ns["keys"] += 1
+        ns["bytes"] += size
+    return {"url": masked(url), "keys": sum(n["keys"] for n in namespaces.values()),
+            "bytes": sum(n["bytes"] for n in namespaces.values()),
+            "namespaces": sorted(namespaces.values(), key=lambda n: n["fingerprint"])}

@@ -1,0 +1,168 @@
+"""The Redis tier against a real redis-server on loopback."""
+
+import json
+import time
+
+import numpy as np
+import pytest
+import redis
+
+from hybridkv.config import CacheConfig
+from hybridkv.engine.engine import Engine
+from hybridkv.layout import layout_from_dict
+from hybridkv.remote_tier import RemoteTier, masked
+from hybridkv.tiered import TieredCache
+
+from conftest import RedisServer, run_cli
+from helpers.tier_worker import LAYOUT, key, page
+
+B = 64
+
+
+def ids(n, seed=0):
+    return np.random.default_rng(seed).integers(3, 259, n).tolist()
+
+
+def test_round_trip_batched_and_checked(redis_url):
+    tier = RemoteTier(redis_url, LAYOUT)
+    assert tier.write_many([(g, key(i), page(g, i)) for g in (0, 1) for i in range(5)])
+    assert tier.contains_many(1, [key(0), key(4), key(9)]) == [True, True, False]
+    outs = [np.empty(LAYOUT.group(1).page_bytes, np.uint8) for _ in range(3)]
+    assert tier.read_many([(1, key(i), out) for i, out in zip((0, 4, 9), outs, strict=True)]) == [True, True, False]
+    assert np.array_equal(outs[1], page(1, 4))
+    tier.close()
+
+
+def test_large_pages_are_chunked_within_one_slot(redis_url):
+    tier = RemoteTier(redis_url, LAYOUT, chunk_bytes=5000)
+    names = tier.page_keys(1, key(3))
+    assert len(names) == 4 and len({n.split("{")[1].split("}")[0] for n in names}) == 1
+    assert tier.write(1, key(3), page(1, 3))
+    out = np.empty(LAYOUT.group(1).page_bytes, np.uint8)
+    assert tier.read(1, key(3), out) and np.array_equal(out, page(1, 3))
+    redis.Redis.from_url(redis_url).delete(names[2])          # one chunk evicted by the server
+    assert not tier.read(1, key(3), out)
+    assert not tier.contains(1, key(3))
+    tier.close()
+
+
+def test_corrupt_value_is_a_miss_and_deleted(redis_url):
+    tier = RemoteTier(redis_url, LAYOUT)
+    tier.write(0, key(1), page(0, 1))
+    client = redis.Redis.from_url(redis_url)
+    name = tier.page_keys(0, key(1))[0]
+    blob = bytearray(client.get(name))
+    blob[-10] ^= 0xFF
+    client.set(name, bytes(blob))
+    out = np.empty(4096, np.uint8)
+    assert tier.read(0, key(1), out) is False
+    assert tier.stats["corrupt"] == 1 and not client.exists(name)
+    tier.close()
+
+
+def test_namespaces_of_two_layouts_are_isolated(redis_url):
+    other = layout_from_dict({**LAYOUT.to_dict(), "dtype": "bfloat16"})
+    a, b = RemoteTier(redis_url, LAYOUT), RemoteTier(redis_url, other)
+    a.write(0, key(1), page(0, 1))
+    assert a.contains(0, key(1)) and not b.contains(0, key(1))
+    a.close()
+    b.close()
+
+
+def test_ttl_expires_pages(redis_url):
+    tier = RemoteTier(redis_url, LAYOUT, ttl_s=1)
+    tier.write(0, key(2), page(0, 2))
+    assert 0 < redis.Redis.from_url(redis_url).pttl(tier.page_keys(0, key(2))[0]) <= 1000
+    time.sleep(1.2)
+    assert not tier.contains(0, key(2))
+    tier.close()
+
+
+def test_server_down_at_start_gives_misses_not_errors():
+    server = RedisServer()                 # a free port with nothing listening
+    tier = RemoteTier(server.url, LAYOUT, timeout_s=0.2)
+    t = time.perf_counter()
+    assert tier.contains_many(0, [key(1), key(2)]) == [False, False]
+    assert tier.write(0, key(1), page(0, 1)) is False
+    assert time.perf_counter() - t < 2
+    assert tier.stats["outages"] == 1 and tier.stats["skipped_stores"] >= 1
+    tier.close()
+
+
+def test_two_engine_processes_share_one_redis(redis_url, tmp_path):
+    prompt = tmp_path / "p.json"
+    prompt.write_text(json.dumps(ids(4 * B + 9, seed=21)))
+    common = ["generate", "--prompt-ids", prompt, "--remote", redis_url, "--max-new-tokens", "5", "--json"]
+    first = run_cli(*common, "--store", tmp_path / "host1")
+    second = run_cli(*common, "--store", tmp_path / "host2")
+    assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
+    one, two = json.loads(first.stdout), json.loads(second.stdout)
+    assert one["hit_tokens"] == 0
+    assert two["hit_tokens"] == 4 * B and two["loaded_pages"]["remote"] == 5
+    assert two["output_token_ids"] == one["output_token_ids"]
+    assert two["logits_digest"] == one["logits_digest"]
+    info = json.loads(run_cli("inspect", "--remote", redis_url, "--json").stdout)["remote"]
+    assert info["keys"] >= 5 and info["bytes"] > 0
+
+
+def test_server_killed_mid_run_then_back(tmp_path):
+    server = RedisServer().start()
+    cfg = CacheConfig(block_tokens=B, remote=server.url, remote_timeout_s=0.2, ram_bytes="2MiB",
+                      reference_tokens=8 * B)
+    prompts = [ids(3 * B + 5, seed) for seed in range(4)]
+    cold = Engine("tiny-hybrid", cfg, use_cache=False)
+    with Engine("tiny-hybrid", cfg) as engine:
+        engine.generate(prompts[0], 3)
+        engine.cache.drain()
+        server.stop()
+        for p in prompts[1:3]:                      # requests keep completing, same output
+            r = engine.generate(p, 3)
+            assert r.output_token_ids == cold.generate(p, 3).output_token_ids
+        engine.cache.drain()
+        remote = next(t for t in engine.cache.secondaries if t.name == "remote")
+        assert remote.stats["outages"] == 1
+        server.start()
+        time.sleep(1.0)                             # past the backoff
+        deadline = time.time() + 10
+        while not remote.contains(0, b"\0" * 16) and remote._down and time.time() < deadline:
+            time.sleep(0.2)
+        r = engine.generate(prompts[3], 3)
+        engine.cache.drain()
+        assert not remote._down
+    with Engine("tiny-hybrid", cfg) as engine:      # a new engine finds prompt 3 in Redis
+        again = engine.generate(prompts[3], 3)
+    server.stop()
+    assert again.hit_tokens == 3 * B and again.loaded_pages["remote"] == 4
+    assert again.output_token_ids == r.output_token_ids
+
+
+def test_tiering_order_ram_fs_remote(redis_url, tmp_path):
+    cfg = CacheConfig(block_tokens=16, ram_bytes="1MiB", store=str(tmp_path), remote=redis_url)
+    with TieredCache(LAYOUT, cfg) as cache:
+        cache.store({1: [(key(5), page(1, 5))]})
+    assert [t.name for t in TieredCache(LAYOUT, cfg.replace(store=None)).secondaries] == ["remote"]
+    with TieredCache(LAYOUT, cfg.replace(store=str(tmp_path / "empty"))) as cache:
+        assert cache.locate(1, [key(5)]) == ["remote"]
+        views = cache.acquire({1: [key(5)]})
+        assert np.array_equal(views[1][0], page(1, 5))
+
+
+def test_bad_remote_url_and_masking():
+    from conftest import assert_one_line_error
+    assert masked("redis://user:secret@h:1/0") == "redis://user:***@h:1/0"
+    assert_one_line_error(run_cli("generate", "--prompt", "x", "--remote", "http://h"), "not a Redis URL")
+    proc = run_cli("inspect", "--remote", RedisServer().url)
+    assert_one_line_error(proc, "cannot reach remote")
+
+
+@pytest.mark.parametrize("policy", ["noeviction"])
+def test_maxmemory_reached_skips_stores(tmp_path, policy):
+    server = RedisServer(None, "--maxmemory", "2mb", "--maxmemory-policy", policy).start()
+    try:
+        tier = RemoteTier(server.url, LAYOUT)
+        results = [tier.write(1, key(i), page(1, i)) for i in range(400)]
+        assert results[0] is True and results[-1] is False
+        assert tier.stats["skipped_stores"] > 0 and tier.stats["outages"] == 0
+        tier.close()
+    finally:
+        server.stop()
