@@ -166,3 +166,33 @@ def test_maxmemory_reached_skips_stores(tmp_path, policy):
         tier.close()
     finally:
         server.stop()
+
+
+def test_redis_cluster_with_chunked_pages(tmp_path):
+    import subprocess
+
+    nodes = []
+    try:
+        for i in range(3):
+            node_dir = tmp_path / f"n{i}"
+            node_dir.mkdir()
+            server = RedisServer(None, "--cluster-enabled", "yes", "--cluster-config-file",
+                                 str(node_dir / "nodes.conf"), "--dir", str(node_dir))
+            nodes.append(server.start())
+        subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in nodes],
+                        "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=60)
+        client = redis.Redis(port=nodes[0].port)
+        for _ in range(100):
+            if client.cluster("info").get("cluster_state") == "ok":
+                break
+            time.sleep(0.1)
+        tier = RemoteTier(f"{nodes[0].url}?cluster=true", LAYOUT, chunk_bytes=5000)
+        assert tier.write_many([(1, key(i), page(1, i)) for i in range(12)])
+        assert tier.contains_many(1, [key(i) for i in range(14)]) == [True] * 12 + [False] * 2
+        outs = [np.empty(16384, np.uint8) for _ in range(12)]
+        assert tier.read_many([(1, key(i), outs[i]) for i in range(12)]) == [True] * 12
+        assert all(np.array_equal(outs[i], page(1, i)) for i in range(12))
+        tier.close()
+    finally:
+        for n in nodes:
+            n.stop()
