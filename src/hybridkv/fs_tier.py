@@ -96,6 +96,7 @@ class FilesystemTier:
         self._index: OrderedDict = OrderedDict()   # (group, key) -> file bytes, LRU first
         self._bytes = 0
         self._start = process_start_time(os.getpid())
+        self._local = threading.local()            # per-thread aligned buffer for O_DIRECT
         self.stats = {"reads": 0, "read_bytes": 0, "writes": 0, "write_bytes": 0,
                       "corrupt": 0, "evictions": 0, "orphans_removed": 0}
         self._scan()
@@ -205,7 +206,7 @@ class FilesystemTier:
             size = os.fstat(fd).st_size
             if size != want:
                 raise pagefile.CorruptPage(f"file has {size} bytes, expected {want}")
-            buf = mmap.mmap(-1, -(-want // ALIGN) * ALIGN)
+            buf = self._aligned(want)
             got = os.preadv(fd, [buf], 0)
         finally:
             os.close(fd)
@@ -216,7 +217,14 @@ class FilesystemTier:
         pagefile.verify(bytes(header), payload, group, key)
         np.copyto(out, np.frombuffer(payload, dtype=np.uint8))
         del header, payload, view
-        buf.close()
+
+    def _aligned(self, nbytes: int) -> mmap.mmap:
+        """This thread's page-aligned buffer, grown as needed (fresh mmaps would page-fault)."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < nbytes:
+            buf = mmap.mmap(-1, -(-nbytes // ALIGN) * ALIGN)
+            self._local.buf = buf
+        return buf
 
     def submit_reads(self, items: list[tuple[int, bytes, np.ndarray]]) -> list[Future]:
         """One job per file so both I/O threads work; reads jump ahead of queued writes."""
@@ -264,18 +272,19 @@ class FilesystemTier:
     def _write_direct(self, tmp: Path, header: bytes, payload) -> None:
         data = memoryview(payload).cast("B")
         want = len(header) + len(data)
-        buf = mmap.mmap(-1, -(-want // ALIGN) * ALIGN)
+        padded = -(-want // ALIGN) * ALIGN
+        buf = self._aligned(want)
         buf[: len(header)] = header
         buf[len(header):want] = data
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
         try:
-            os.write(fd, buf)
+            with memoryview(buf) as view:
+                os.write(fd, view[:padded])
             os.ftruncate(fd, want)
             if self.fsync:
                 os.fsync(fd)
         finally:
             os.close(fd)
-            buf.close()
 
     def submit_writes(self, items: list[tuple[int, bytes, object]]) -> list[Future]:
         return [self._io.submit(WRITE, self.write, *item) for item in items]

@@ -1,7 +1,8 @@
 """The self-checking page format shared by the filesystem and remote tiers.
 
-A 64-byte header (magic, format version, group, key, payload length, payload crc32,
-header crc32) precedes the payload. Anything that does not verify is a miss.
+A 64-byte header (magic, format version, group, key, payload length, payload xxh3-64,
+header crc32) precedes the payload. Anything that does not verify is a miss. xxh3 checks a
+page at ~13 GB/s where crc32 manages ~2.5, so verification does not cap the read path.
 """
 
 from __future__ import annotations
@@ -9,10 +10,12 @@ from __future__ import annotations
 import struct
 import zlib
 
+import xxhash
+
 MAGIC = b"HKVP"
-VERSION = 1
+VERSION = 2
 MAX_KEY = 32
-_LAYOUT = struct.Struct("<4sHHI32sQI")          # magic ver keylen group key len crc
+_LAYOUT = struct.Struct("<4sHHI32sQQ")          # magic ver keylen group key len xxh3
 HEADER_BYTES = 64
 _CRC = struct.Struct("<I")
 
@@ -21,10 +24,14 @@ class CorruptPage(Exception):
     """The bytes are not a valid page for the requested (group, key)."""
 
 
+def _checksum(payload) -> int:
+    return xxhash.xxh3_64_intdigest(payload)
+
+
 def make_header(group: int, key: bytes, payload) -> bytes:
     if len(key) > MAX_KEY:
         raise ValueError(f"key of {len(key)} bytes is longer than {MAX_KEY}")
-    body = _LAYOUT.pack(MAGIC, VERSION, len(key), group, key, len(payload), zlib.crc32(payload))
+    body = _LAYOUT.pack(MAGIC, VERSION, len(key), group, key, len(payload), _checksum(payload))
     head = body + _CRC.pack(zlib.crc32(body))
     return head + b"\0" * (HEADER_BYTES - len(head))
 
@@ -47,7 +54,7 @@ def parse_header(header: bytes, group: int, key: bytes) -> int:
     return length
 
 
-def payload_crc(header: bytes) -> int:
+def payload_checksum(header: bytes) -> int:
     return _LAYOUT.unpack(header[: _LAYOUT.size])[6]
 
 
@@ -56,7 +63,7 @@ def verify(header: bytes, payload, group: int, key: bytes) -> None:
     length = parse_header(header, group, key)
     if len(payload) != length:
         raise CorruptPage(f"payload has {len(payload)} bytes, header says {length}")
-    if zlib.crc32(payload) != payload_crc(header):
+    if _checksum(payload) != payload_checksum(header):
         raise CorruptPage("payload checksum mismatch")
 
 

@@ -36,6 +36,8 @@ class GenerationResult:
     junction: int | None
     output_token_ids: list[int]
     ttft_s: float
+    restore_s: float = 0.0        # lookup + load + cache rebuild, inside ttft_s
+    restored_bytes: int = 0
     logits: list[torch.Tensor] = field(default_factory=list, repr=False)
 
     @property
@@ -100,14 +102,16 @@ class Engine:
         t0 = time.perf_counter()
         conn = self.connector
         req = conn.begin(f"r{index}-{id(self)}", ids, salt, max_stored_tokens) if conn else None
-        start, cache = 0, None
+        start, cache, restored_bytes = 0, None, 0
         if req is not None and req.hit_tokens:
             views = conn.load(req)
             if views is not None:
                 state = views[STATE_GROUP][0] if STATE_GROUP in views else None
                 cache = self.adapter.restore(views[ATTENTION_GROUP], state)
+                restored_bytes = sum(page.nbytes for pages in views.values() for page in pages)
                 conn.release(req)
                 start = req.hit_tokens
+        restore_s = time.perf_counter() - t0
         if cache is None:
             cache = _fresh(self.model)
         logits = self._prefill(ids, start, cache, req)
@@ -132,7 +136,7 @@ class Engine:
             loaded_pages=dict(req.sources) if req and start else {"ram": 0, "fs": 0, "remote": 0},
             stored_pages=dict(req.stored) if req else {"attention": 0, "state": 0},
             junction=req.junction if req else None, output_token_ids=out, ttft_s=ttft,
-            logits=result_logits,
+            restore_s=restore_s, restored_bytes=restored_bytes, logits=result_logits,
         )
 
     def _prefill(self, ids: list[int], start: int, cache, req) -> torch.Tensor:

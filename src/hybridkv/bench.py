@@ -1,0 +1,333 @@
+"""``hybridkv bench``: every figure next to the ceiling measured in the same run.
+
+Parts: tier copy speeds (RAM slots vs plain memcpy; filesystem tier vs the same writes and
+reads done raw; Redis batched vs per-key vs redis-benchmark), manager operations per second,
+restore vs recompute TTFT on the default model, and the workload simulator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from hybridkv import bench_manager
+from hybridkv.config import CacheConfig
+from hybridkv.layout import layout_from_dict, load_layout
+from hybridkv.simulator import WORKLOADS, simulate
+
+GB = 1e9
+MiB = 1024 * 1024
+
+
+def _median(fn: Callable[[], float], repeats: int) -> tuple[float, list[float]]:
+    values = [fn() for _ in range(repeats)]
+    return statistics.median(values), [min(values), max(values)]
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / GB
+
+
+def _page_layout(page_bytes: int):
+    return layout_from_dict({"model": "bench", "block_tokens": 64, "max_model_len": 1 << 20,
+                             "groups": [{"id": 0, "kind": "attention", "page_bytes": page_bytes}]})
+
+
+# -- 1. tiers ---------------------------------------------------------------------------------
+def bench_ram(page_bytes: int = 4 * MiB, pages: int = 64, repeats: int = 5) -> dict:
+    """Copy pages into RAM-region slots vs np.copyto between two plain arrays (memcpy)."""
+    from hybridkv.ram import SharedRegion
+
+    src = np.random.default_rng(0).integers(0, 256, (pages, page_bytes), dtype=np.uint8)
+    plain = np.empty_like(src)
+    path = Path(tempfile.gettempdir() if not os.path.isdir("/dev/shm") else "/dev/shm") / f"hybridkv-bench-{os.getpid()}"
+    region = SharedRegion.create(path, pages, page_bytes)
+    try:
+        for i in range(pages):          # touch every page once so neither side pays page faults
+            region.write(i, src[i])
+            plain[i] = src[i]
+
+        def slots() -> float:
+            t = time.perf_counter()
+            for i in range(pages):
+                region.write(i, src[i])
+            return _gbps(src.nbytes, time.perf_counter() - t)
+
+        def memcpy() -> float:
+            t = time.perf_counter()
+            for i in range(pages):
+                np.copyto(plain[i], src[i])
+            return _gbps(src.nbytes, time.perf_counter() - t)
+
+        copy, copy_spread = _median(slots, repeats)
+        base, base_spread = _median(memcpy, repeats)
+    finally:
+        region.close()
+    return {"page_bytes": page_bytes, "copy_gbps": copy, "memcpy_gbps": base, "ratio": copy / base,
+            "spread": {"copy_gbps": copy_spread, "memcpy_gbps": base_spread}}
+
+
+def _raw_io(directory: Path, pages: np.ndarray, direct: bool) -> tuple[float, float]:
+    """The same files written and read without hybridkv: one os.write / os.read per page."""
+    flags = os.O_DIRECT if direct else 0
+    size = pages.shape[1]
+    buf = mmap.mmap(-1, -(-size // 4096) * 4096)
+    t = time.perf_counter()
+    for i, row in enumerate(pages):
+        fd = os.open(directory / f"raw{i}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flags, 0o644)
+        if direct:                       # O_DIRECT needs an aligned buffer, as the tier uses
+            buf[:size] = row
+            os.write(fd, buf)
+        else:
+            os.write(fd, row)
+        os.close(fd)
+    write = _gbps(pages.nbytes, time.perf_counter() - t)
+    t = time.perf_counter()
+    for i in range(len(pages)):
+        fd = os.open(directory / f"raw{i}", os.O_RDONLY | flags)
+        os.preadv(fd, [buf], 0)
+        os.close(fd)
+    read = _gbps(pages.nbytes, time.perf_counter() - t)
+    buf.close()
+    return write, read
+
+
+def bench_fs(directory: str | None = None, page_bytes: int = 4 * MiB, pages: int = 64,
+             repeats: int = 3) -> dict:
+    """FilesystemTier write/read vs raw per-file I/O of the same bytes on the same disk."""
+    from hybridkv.fs_tier import FilesystemTier, probe_direct_io
+
+    base = Path(directory or tempfile.mkdtemp(prefix="hybridkv-bench-fs-"))
+    base.mkdir(parents=True, exist_ok=True)
+    data = np.random.default_rng(1).integers(0, 256, (pages, page_bytes), dtype=np.uint8)
+    layout = _page_layout(page_bytes)
+    out = np.empty(page_bytes, np.uint8)
+    modes = {"buffered": False}
+    if probe_direct_io(base):
+        modes["direct"] = True
+    result: dict = {"page_bytes": page_bytes, "pages": pages}
+    try:
+        for mode, direct in modes.items():
+            runs = {"write": [], "read": [], "raw_write": [], "raw_read": []}
+            for r in range(repeats):
+                root = base / f"{mode}{r}"
+                tier = FilesystemTier(root, layout, direct=direct)
+                t = time.perf_counter()
+                for i in range(pages):
+                    tier.write(0, i.to_bytes(16, "big"), data[i])
+                runs["write"].append(_gbps(data.nbytes, time.perf_counter() - t))
+                t = time.perf_counter()
+                for i in range(pages):
+                    assert tier.read(0, i.to_bytes(16, "big"), out)
+                runs["read"].append(_gbps(data.nbytes, time.perf_counter() - t))
+                tier.close()
+                raw_dir = base / f"raw-{mode}{r}"
+                raw_dir.mkdir()
+                w, rd = _raw_io(raw_dir, data, direct)
+                runs["raw_write"].append(w)
+                runs["raw_read"].append(rd)
+            med = {k: statistics.median(v) for k, v in runs.items()}
+            result[mode] = {
+                "write_gbps": med["write"], "read_gbps": med["read"],
+                "raw_write_gbps": med["raw_write"], "raw_read_gbps": med["raw_read"],
+                "write_ratio": med["write"] / med["raw_write"], "read_ratio": med["read"] / med["raw_read"],
+                "spread": {k: [min(v), max(v)] for k, v in runs.items()},
+            }
+        result["dd_write_gbps"] = _dd(base, page_bytes, pages)
+    finally:
+        if directory is None:
+            shutil.rmtree(base, ignore_errors=True)
+    top = result.get("direct", result["buffered"])
+    result.update({k: top[k] for k in ("write_gbps", "read_gbps", "raw_write_gbps", "raw_read_gbps",
+                                       "write_ratio", "read_ratio")})
+    result["mode"] = "direct" if "direct" in result else "buffered"
+    return result
+
+
+def _dd(directory: Path, block: int, count: int) -> float | None:
+    """`dd` writing the same bytes with the same block size (O_DIRECT when it is accepted)."""
+    if shutil.which("dd") is None:
+        return None
+    target = directory / "dd.out"
+    args = ["dd", "if=/dev/zero", f"of={target}", f"bs={block}", f"count={count}", "oflag=direct"]
+    t = time.perf_counter()
+    proc = subprocess.run(args, capture_output=True)
+    if proc.returncode != 0:
+        args[-1] = "conv=fsync"
+        t = time.perf_counter()
+        subprocess.run(args, capture_output=True)
+    seconds = time.perf_counter() - t
+    target.unlink(missing_ok=True)
+    return _gbps(block * count, seconds)
+
+
+def bench_remote(url: str, page_bytes: int = MiB, pages: int = 64, repeats: int = 3) -> dict:
+    """Batched pipelines vs naive per-key SET/GET vs redis-benchmark, same value size."""
+    import redis
+
+    from hybridkv.remote_tier import RemoteTier
+
+    layout = _page_layout(page_bytes)
+    data = np.random.default_rng(2).integers(0, 256, (pages, page_bytes), dtype=np.uint8)
+    tier = RemoteTier(url, layout, prefix="hybridkv-bench", timeout_s=10)
+    client = redis.Redis.from_url(url, socket_timeout=10)
+    keys = [i.to_bytes(16, "big") for i in range(pages)]
+    outs = [np.empty(page_bytes, np.uint8) for _ in range(pages)]
+    runs = {"set": [], "get": [], "naive_set": [], "naive_get": []}
+    for _ in range(repeats):
+        t = time.perf_counter()
+        tier.write_many([(0, k, data[i]) for i, k in enumerate(keys)])
+        runs["set"].append(_gbps(data.nbytes, time.perf_counter() - t))
+        t = time.perf_counter()
+        ok = tier.read_many([(0, k, outs[i]) for i, k in enumerate(keys)])
+        runs["get"].append(_gbps(data.nbytes, time.perf_counter() - t))
+        assert all(ok)
+        t = time.perf_counter()
+        for i in range(pages):
+            client.set(f"hybridkv-bench-naive:{i}", data[i].tobytes())
+        runs["naive_set"].append(_gbps(data.nbytes, time.perf_counter() - t))
+        t = time.perf_counter()
+        for i in range(pages):
+            client.get(f"hybridkv-bench-naive:{i}")
+        runs["naive_get"].append(_gbps(data.nbytes, time.perf_counter() - t))
+    for name in client.scan_iter(match="hybridkv-bench*"):
+        client.delete(name)
+    tier.close()
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    return {"page_bytes": page_bytes, "set_gbps": med["set"], "get_gbps": med["get"],
+            "naive_set_gbps": med["naive_set"], "naive_get_gbps": med["naive_get"],
+            "redis_benchmark": _redis_benchmark(url, page_bytes),
+            "spread": {k: [min(v), max(v)] for k, v in runs.items()}}
+
+
+def _redis_benchmark(url: str, value_bytes: int) -> dict | None:
+    from urllib.parse import urlsplit
+
+    if shutil.which("redis-benchmark") is None:
+        return None
+    parts = urlsplit(url)
+    proc = subprocess.run(
+        ["redis-benchmark", "-h", parts.hostname or "127.0.0.1", "-p", str(parts.port or 6379),
+         "-t", "set,get", "-n", "200", "-d", str(value_bytes), "-P", "16", "-q", "--csv"],
+        capture_output=True, text=True, timeout=120)
+    out = {}
+    for line in proc.stdout.splitlines():
+        cells = [c.strip('"') for c in line.split(",")]
+        if cells and cells[0] in ("SET", "GET"):
+            out[f"{cells[0].lower()}_gbps"] = float(cells[1]) * value_bytes / GB
+    return out or None
+
+
+def bench_hashing(tokens: int = 65536, block_tokens: int = 64, repeats: int = 20) -> dict:
+    from hybridkv.keys import block_hashes
+
+    ids = np.random.default_rng(0).integers(0, 150_000, tokens)
+    seconds = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        block_hashes(ids, block_tokens)
+        seconds.append(time.perf_counter() - t)
+    return {"tokens": tokens, "block_tokens": block_tokens, "ms": statistics.median(seconds) * 1000,
+            "spread_ms": [min(seconds) * 1000, max(seconds) * 1000]}
+
+
+# -- 3. restore vs recompute ------------------------------------------------------------------
+def bench_restore(lengths: list[int], model: str = "tiny-hybrid", repeats: int = 3) -> list[dict]:
+    """Cold TTFT vs restore from RAM (same process) and from disk (fresh engine, empty RAM)."""
+    from hybridkv.engine.engine import Engine
+
+    rows = []
+    for n in lengths:
+        ids = np.random.default_rng(n).integers(3, 259, n).tolist()
+        store = tempfile.mkdtemp(prefix="hybridkv-bench-restore-")
+        config = CacheConfig(block_tokens=64, store=store, ram_bytes=64 * MiB, reference_tokens=max(n, 1024))
+        try:
+            cold_engine = Engine(model, config, use_cache=False)
+            cold_engine.generate(ids[:64], 1)           # warm-up
+            colds = [cold_engine.generate(ids, 4) for _ in range(repeats)]
+            with Engine(model, config) as engine:
+                engine.generate(ids, 4)
+                rams = [engine.generate(ids, 4) for _ in range(repeats)]
+            disks = []
+            for _ in range(repeats):
+                with Engine(model, config) as engine:
+                    disks.append(engine.generate(ids, 4))
+        finally:
+            shutil.rmtree(store, ignore_errors=True)
+        cold_digest = colds[0].logits_digest
+        ram_restore = statistics.median(r.restore_s for r in rams)
+        fs_restore = statistics.median(r.restore_s for r in disks)
+        rows.append({
+            "prompt_tokens": n, "hit_tokens": rams[0].hit_tokens,
+            "cold_ttft_s": statistics.median(r.ttft_s for r in colds),
+            "ram_ttft_s": statistics.median(r.ttft_s for r in rams),
+            "fs_ttft_s": statistics.median(r.ttft_s for r in disks),
+            "restored_bytes": rams[0].restored_bytes,
+            "ram_restore_s": ram_restore, "fs_restore_s": fs_restore,
+            "ram_restore_gbps": _gbps(rams[0].restored_bytes, ram_restore),
+            "fs_restore_gbps": _gbps(disks[0].restored_bytes, fs_restore),
+            "identical": all(r.logits_digest == cold_digest for r in rams + disks + colds),
+        })
+    return rows
+
+
+# -- 4. simulator -----------------------------------------------------------------------------
+def bench_simulator(quick: bool) -> list[dict]:
+    layout = load_layout(Path(__file__).resolve().parent / "data" / "qwen3-next-80b-a3b.json")
+    budgets = [4, 16] if quick else [2, 4, 8, 16, 32]
+    rows = []
+    for workload in WORKLOADS:
+        for retention in (None, 0, 2048):
+            for eviction in ("lru", "arc"):
+                for gib in budgets:
+                    r = simulate(layout, workload, gib * 1024**3, retention, eviction, reference_tokens=8192)
+                    rows.append(r.to_dict())
+    return rows
+
+
+def run_bench(quick: bool = False, remote: str | None = None, manager_slots: int | None = None,
+              progress: Callable[[str], None] = lambda _m: None) -> dict:
+    started = time.perf_counter()
+    out: dict = {"mode": "quick" if quick else "full", "machine": machine()}
+    progress("tiers: RAM slots vs memcpy")
+    out["ram"] = bench_ram(pages=32 if quick else 128)
+    progress("tiers: filesystem vs raw disk")
+    out["fs"] = bench_fs(pages=32 if quick else 128, repeats=3 if quick else 5)
+    if remote:
+        progress("tiers: remote")
+        out["remote"] = bench_remote(remote, repeats=3 if quick else 5)
+    progress("block-key hashing")
+    out["hashing"] = bench_hashing()
+    slots = manager_slots or (100_000 if quick else 1_000_000)
+    out["manager"] = {"slots": slots}
+    for policy in ("lru", "arc"):
+        progress(f"manager: {policy} on {slots} slots")
+        out["manager"][policy] = bench_manager.measure(slots, policy, repeats=3 if quick else 5)
+    progress("restore vs recompute")
+    out["restore"] = bench_restore([1024, 4096] if quick else [1024, 4096, 16384], repeats=2 if quick else 3)
+    progress("workload simulator")
+    out["simulator"] = bench_simulator(quick)
+    out["seconds"] = time.perf_counter() - started
+    return out
+
+
+def machine() -> dict:
+    import platform
+
+    import torch
+
+    cpu = ""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+            "torch": torch.__version__, "numpy": np.__version__}
