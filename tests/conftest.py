@@ -34,19 +34,32 @@ def seed_layout_dict():
     return json.loads((LAYOUTS / "seed-flash-next.json").read_text())
 
 
+def free_port(below: int = 65536) -> int:
+    """A free loopback port; cluster nodes need port + 10000 free too, so ask for one below 55536."""
+    import random
+    import socket
+
+    for _ in range(200):
+        port = random.randrange(20000, min(below, 60000))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free loopback port")
+
+
 class RedisServer:
     """A real redis-server on a free loopback port, with no persistence, for one test scope."""
 
     def __init__(self, port: int | None = None, *extra: str):
         import shutil
-        import socket
 
         if shutil.which("redis-server") is None:
             raise RuntimeError("redis-server is not installed; run .ci/run or apt-get install redis-server")
         if port is None:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
+            port = free_port()
         self.port, self.extra, self.proc = port, extra, None
         self.url = f"redis://127.0.0.1:{port}/0"
 

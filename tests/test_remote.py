@@ -13,7 +13,7 @@ from hybridkv.layout import layout_from_dict
 from hybridkv.remote_tier import RemoteTier, masked
 from hybridkv.tiered import TieredCache
 
-from conftest import RedisServer, run_cli
+from conftest import RedisServer, free_port, run_cli
 from helpers.tier_worker import LAYOUT, key, page
 
 B = 64
@@ -36,7 +36,7 @@ def test_round_trip_batched_and_checked(redis_url):
 def test_large_pages_are_chunked_within_one_slot(redis_url):
     tier = RemoteTier(redis_url, LAYOUT, chunk_bytes=5000)
     names = tier.page_keys(1, key(3))
-    assert len(names) == 4 and len({n.split("{")[1].split("}")[0] for n in names}) == 1
+    assert len(names) == 1 + 4 and len({n.split("{")[1].split("}")[0] for n in names}) == 1
     assert tier.write(1, key(3), page(1, 3))
     out = np.empty(LAYOUT.group(1).page_bytes, np.uint8)
     assert tier.read(1, key(3), out) and np.array_equal(out, page(1, 3))
@@ -50,13 +50,14 @@ def test_corrupt_value_is_a_miss_and_deleted(redis_url):
     tier = RemoteTier(redis_url, LAYOUT)
     tier.write(0, key(1), page(0, 1))
     client = redis.Redis.from_url(redis_url)
-    name = tier.page_keys(0, key(1))[0]
+    name = tier.page_keys(0, key(1))[1]          # the payload chunk
     blob = bytearray(client.get(name))
     blob[-10] ^= 0xFF
     client.set(name, bytes(blob))
     out = np.empty(4096, np.uint8)
     assert tier.read(0, key(1), out) is False
     assert tier.stats["corrupt"] == 1 and not client.exists(name)
+    assert not client.exists(tier.page_keys(0, key(1))[0])
     tier.close()
 
 
@@ -176,7 +177,7 @@ def test_redis_cluster_with_chunked_pages(tmp_path):
         for i in range(3):
             node_dir = tmp_path / f"n{i}"
             node_dir.mkdir()
-            server = RedisServer(None, "--cluster-enabled", "yes", "--cluster-config-file",
+            server = RedisServer(free_port(below=55536), "--cluster-enabled", "yes", "--cluster-config-file",
                                  str(node_dir / "nodes.conf"), "--dir", str(node_dir))
             nodes.append(server.start())
         subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in nodes],

@@ -305,7 +305,8 @@ def run_bench(quick: bool = False, remote: str | None = None, manager_slots: int
     out["fs"] = bench_fs(pages=32 if quick else 128, repeats=3 if quick else 5)
     if remote:
         progress("tiers: remote")
-        out["remote"] = bench_remote(remote, repeats=3 if quick else 5)
+        out["remote"] = [bench_remote(remote, 64 * 1024, 512, repeats=3 if quick else 5),
+                         bench_remote(remote, MiB, 64, repeats=3 if quick else 5)]
     progress("block-key hashing")
     out["hashing"] = bench_hashing()
     slots = manager_slots or (100_000 if quick else 1_000_000)

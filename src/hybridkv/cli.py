@@ -192,6 +192,25 @@ def _cmd_demo(args) -> int:
     return main_demo(args)
 
 
+def _cmd_bench(args) -> int:
+    from hybridkv.bench import run_bench
+    from hybridkv.bench_report import plot, tables
+
+    if args.manager_slots is not None and args.manager_slots < 1024:
+        raise HybridKVError("--manager-slots must be at least 1024")
+    _quiet_transformers()
+    progress = (lambda _m: None) if args.json else (lambda m: print(f"bench: {m} ...", file=sys.stderr, flush=True))
+    results = run_bench(args.quick, args.remote, args.manager_slots, progress)
+    if args.plot:
+        for path in plot(results, args.plot):
+            progress(f"wrote {path}")
+    if args.json:
+        print(json.dumps(results))
+    else:
+        print(tables(results))
+    return 0
+
+
 def _cmd_models(args) -> int:
     from hybridkv.engine.models import describe_builtins
 
@@ -278,6 +297,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", default="hybridkv-demo.png", help="PNG chart path ('' for none)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("bench", help="tier, manager, restore and workload benchmarks")
+    p.add_argument("--quick", action="store_true", help="smaller sizes; under two minutes")
+    p.add_argument("--remote", help="also measure a Redis/Valkey tier at this URL")
+    p.add_argument("--manager-slots", type=int, help="pool size for the manager trace (default 1M, quick 100K)")
+    p.add_argument("--plot", help="write PNG charts into this directory")
+    p.add_argument("--json", action="store_true", help="one JSON object with a section per part")
+    p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("models", help="list the built-in models")
     p.add_argument("--json", action="store_true")

@@ -1,10 +1,12 @@
 """The shared remote tier on Redis or Valkey (single node or cluster).
 
-Pages are stored in the same self-checking format as on disk, under
-``<prefix>:{<fingerprint>:<group>:<key hex>}:<chunk>``; the hash tag keeps every chunk of a
-page in one cluster slot. Existence checks, reads and writes are pipelined: one round trip
-per batch. When the server is unreachable the tier answers "miss", skips stores, retries
-with exponential backoff and logs once per state change; it never raises into the engine.
+Pages are stored in the same self-checking format as on disk: the 64-byte header under
+``<prefix>:{<fingerprint>:<group>:<key hex>}:h`` and the payload in chunks ``...}:0``, ``...}:1``
+sent straight from the RAM slot (no copy); the hash tag keeps a page in one cluster slot.
+Existence checks, reads and writes are pipelined, one round trip per batch of up to
+``PIPELINE_BYTES`` (redis-py parses huge pipelined replies slowly, so bigger batches are split).
+When the server is unreachable the tier answers "miss", skips stores, retries with
+exponential backoff and logs once per state change; it never raises into the engine.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from hybridkv.layout import Layout
 
 log = logging.getLogger(__name__)
 CHUNK_BYTES = 32 * 1024 * 1024
+PIPELINE_BYTES = 1024 * 1024   # measured best: redis-py copies large replies through BytesIO
 BACKOFF_START_S, BACKOFF_MAX_S = 0.25, 30.0
 
 
@@ -49,7 +52,8 @@ def connect(url: str, timeout_s: float):
     redis = _redis()
     cluster = "cluster=true" in url or "cluster=1" in url
     clean = url.replace("?cluster=true", "").replace("?cluster=1", "")
-    kwargs = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+    kwargs = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                  socket_read_size=1024 * 1024)
     try:
         if cluster:
             from redis.cluster import RedisCluster
@@ -83,12 +87,26 @@ class RemoteTier:
 
     # -- keys and health ------------------------------------------------------------------
     def _chunks(self, group: int) -> int:
-        total = pagefile.HEADER_BYTES + self.layout.group(group).page_bytes
-        return -(-total // self.chunk_bytes)
+        return -(-self.layout.group(group).page_bytes // self.chunk_bytes)
 
     def page_keys(self, group: int, key: bytes) -> list[str]:
+        """Header key first, then the payload chunks."""
         base = f"{self.namespace}:{group}:{key.hex()}}}"
-        return [f"{base}:{i}" for i in range(self._chunks(group))]
+        return [f"{base}:h"] + [f"{base}:{i}" for i in range(self._chunks(group))]
+
+    def _batches(self, items: list) -> list[list]:
+        """Split items (group first) into pipelines of at most PIPELINE_BYTES."""
+        batches, current, size = [], [], 0
+        for item in items:
+            page = self.layout.group(item[0]).page_bytes
+            if current and size + page > PIPELINE_BYTES:
+                batches.append(current)
+                current, size = [], 0
+            current.append(item)
+            size += page
+        if current:
+            batches.append(current)
+        return batches
 
     def available(self) -> bool:
         return time.monotonic() >= self._down_until
@@ -136,40 +154,46 @@ class RemoteTier:
 
     # -- reads ----------------------------------------------------------------------------
     def read_many(self, items: list[tuple[int, bytes, np.ndarray]]) -> list[bool]:
-        """Fetch pages in one pipelined round trip; verify each, delete and count bad ones."""
-        if not items:
-            return []
+        """Fetch pages, one pipelined round trip per batch; verify each, delete bad ones."""
+        results: list[bool] = []
+        for batch in self._batches(items):
+            results.extend(self._read_batch(batch))
+        return results
 
-        def batch():
+    def _read_batch(self, items: list[tuple[int, bytes, np.ndarray]]) -> list[bool]:
+        def fetch():
             pipe = self.client.pipeline(transaction=False)
             for group, key, _ in items:
                 for name in self.page_keys(group, key):
                     pipe.get(name)
             return pipe.execute()
 
-        values = self._call(batch)
+        values = self._call(fetch)
         if values is None:
             return [False] * len(items)
         results, pos, bad = [], 0, []
         for group, key, out in items:
-            n = self._chunks(group)
-            parts = values[pos:pos + n]
+            n = 1 + self._chunks(group)
+            header, chunks = values[pos], values[pos + 1:pos + n]
             pos += n
-            if any(p is None for p in parts):
+            if header is None or any(c is None for c in chunks):
                 results.append(False)
-                if parts[0] is not None:
+                if header is not None:
                     bad.append((group, key))      # a chunk was evicted: the rest is useless
                 continue
             try:
-                payload = pagefile.decode(b"".join(parts), group, key)
-                if len(payload) != out.nbytes:
+                if sum(len(c) for c in chunks) != out.nbytes:
                     raise pagefile.CorruptPage("payload size does not match the layout")
+                offset = 0
+                for chunk in chunks:
+                    out[offset:offset + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
+                    offset += len(chunk)
+                pagefile.verify(header, out, group, key)
             except pagefile.CorruptPage as e:
                 log.warning("remote page %s is corrupt (%s); deleted", key.hex(), e)
                 bad.append((group, key))
                 results.append(False)
                 continue
-            np.copyto(out, np.frombuffer(payload, dtype=np.uint8))
             results.append(True)
             with self._lock:
                 self.stats["reads"] += 1
@@ -189,25 +213,31 @@ class RemoteTier:
 
     # -- writes ---------------------------------------------------------------------------
     def write_many(self, items: list[tuple[int, bytes, object]]) -> bool:
-        """Store pages in one pipelined round trip (SET with optional expiry)."""
+        """Store pages (SET with optional expiry), one pipelined round trip per batch."""
+        return all([self._write_batch(batch) for batch in self._batches(items)])
+
+    def _write_batch(self, items: list[tuple[int, bytes, object]]) -> bool:
         if not self.available():
             with self._lock:
                 self.stats["skipped_stores"] += len(items)
             return False
 
-        def batch():
+        def send():
             pipe = self.client.pipeline(transaction=False)
             size = 0
             for group, key, payload in items:
-                blob = pagefile.encode(group, key, memoryview(payload).cast("B"))
-                size += len(blob)
-                for i, name in enumerate(self.page_keys(group, key)):
-                    pipe.set(name, blob[i * self.chunk_bytes:(i + 1) * self.chunk_bytes], px=self.ttl_ms)
+                data = memoryview(payload).cast("B")
+                names = self.page_keys(group, key)
+                # payload chunks first, header last: a reader never sees a header without its data
+                for i, name in enumerate(names[1:]):
+                    pipe.set(name, data[i * self.chunk_bytes:(i + 1) * self.chunk_bytes], px=self.ttl_ms)
+                pipe.set(names[0], pagefile.make_header(group, key, data), px=self.ttl_ms)
+                size += pagefile.HEADER_BYTES + len(data)
             pipe.execute()
             return size
 
         try:
-            size = self._call(batch)
+            size = self._call(send)
         except self._redis.ResponseError as e:      # e.g. OOM with maxmemory and noeviction
             log.warning("remote tier refused a store: %s", e)
             size = None
