@@ -1,0 +1,46 @@
+import json
+
+from hybridkv.bench import bench_fs, bench_ram, bench_remote
+from hybridkv.bench_report import plot, tables
+
+from conftest import run_cli
+
+
+def test_tier_benchmarks_report_ratios(tmp_path):
+    ram = bench_ram(page_bytes=1 << 20, pages=8, repeats=2)
+    assert ram["copy_gbps"] > 0 and ram["ratio"] == ram["copy_gbps"] / ram["memcpy_gbps"]
+    fs = bench_fs(str(tmp_path), page_bytes=1 << 20, pages=4, repeats=1)
+    assert fs["buffered"]["read_ratio"] > 0 and fs["mode"] in ("buffered", "direct")
+
+
+def test_remote_benchmark(redis_url):
+    r = bench_remote(redis_url, page_bytes=64 * 1024, pages=16, repeats=1)
+    assert r["set_gbps"] > 0 and r["get_gbps"] > 0 and r["naive_get_gbps"] > 0
+
+
+def test_bench_cli_quick_json_and_report(tmp_path):
+    proc = run_cli("bench", "--quick", "--json", "--manager-slots", "4096", "--plot", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads(proc.stdout)
+    assert set(res["ram"]) >= {"copy_gbps", "memcpy_gbps", "ratio"}
+    assert set(res["fs"]) >= {"write_gbps", "read_gbps", "raw_write_gbps", "raw_read_gbps",
+                              "write_ratio", "read_ratio"}
+    assert res["manager"]["slots"] == 4096
+    for policy in ("lru", "arc"):
+        assert set(res["manager"][policy]) >= {"lookup_ops_per_s", "store_cycles_per_s", "touch_ops_per_s"}
+    assert [r["prompt_tokens"] for r in res["restore"]] == [1024, 4096]
+    assert all(r["identical"] and r["cold_ttft_s"] > r["ram_ttft_s"] for r in res["restore"])
+    sims = res["simulator"]
+    assert {s["workload"] for s in sims} == {"multi_turn_chat", "shared_system_prompt", "document_qa", "agentic"}
+    assert set(sims[0]) >= {"workload", "retention", "eviction", "budget_bytes", "token_hit_rate",
+                            "prefill_tokens_saved"}
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == [
+        "hit_rate_vs_budget.png", "throughput_vs_ceiling.png", "ttft_vs_prompt.png"]
+    text = tables(res)
+    assert "Restore vs recompute" in text and "| lru |" in text
+    assert plot(res, tmp_path / "again")
+
+
+def test_bench_cli_misuse():
+    from conftest import assert_one_line_error
+    assert_one_line_error(run_cli("bench", "--manager-slots", "10"), "--manager-slots must be at least 1024")
