@@ -17,12 +17,12 @@ def _system_prompt_expectation(dense: bool) -> int:
     request stored), or from k = 1 when the first request's replay boundary was the shared one."""
     seen, first_len, saved = Counter(), {}, 0
     for tokens in shared_system_prompt():
-        system = next(s for s in _systems() if tokens[: len(s)] == s)
-        shared = len(system) // B * B
-        k = seen[shared]
-        seen[shared] += 1
-        first_len.setdefault(shared, len(tokens))
-        first_replay = (first_len[shared] - 1) // B * B
+        which = next(i for i, s in enumerate(_systems()) if tokens[: len(s)] == s)
+        shared = len(_systems()[which]) // B * B
+        k = seen[which]
+        seen[which] += 1
+        first_len.setdefault(which, len(tokens))
+        first_replay = (first_len[which] - 1) // B * B
         if k >= 2 or (k == 1 and (dense or first_replay == shared)):
             saved += shared
     return saved
