@@ -294,6 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="tiny-hybrid")
     p.add_argument("--store", help="keep the demo's store here (default: a temp dir)")
     p.add_argument("--prompt-tokens", type=int, default=3000)
+    p.add_argument("--remote", help="also write through to this Redis/Valkey URL")
     p.add_argument("--plot", default="hybridkv-demo.png", help="PNG chart path ('' for none)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_demo)

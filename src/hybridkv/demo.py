@@ -43,7 +43,7 @@ def _source(loaded: dict) -> str:
 
 
 def run_demo(model: str = "tiny-hybrid", store: str | None = None, prompt_tokens: int = 3000,
-             plot: str | None = None, progress=print) -> list[Step]:
+             plot: str | None = None, progress=print, remote: str | None = None) -> list[Step]:
     tmp = None
     if store is None:
         tmp = tempfile.TemporaryDirectory(prefix="hybridkv-demo-")
@@ -62,7 +62,8 @@ def run_demo(model: str = "tiny-hybrid", store: str | None = None, prompt_tokens
     state_bytes = sum(g.page_bytes for g in probe.layout.groups if g.kind == "state")
     # RAM for about two prompts: the third distinct prompt pushes the oldest out to disk.
     ram = int(2.3 * pages_per_prompt * attention_bytes + 8 * state_bytes)
-    config = CacheConfig(block_tokens=B, store=store, ram_bytes=ram, reference_tokens=prompt_tokens)
+    config = CacheConfig(block_tokens=B, store=store, ram_bytes=ram, reference_tokens=prompt_tokens,
+                         remote=remote)
 
     plan = [("cold A", "A"), ("A again (RAM)", "A"), ("sibling A' (junction)", "A'"),
             ("sibling A'' (hits junction)", "A''"), ("new process: A (disk)", "A"),
@@ -109,6 +110,8 @@ def _generate_in_new_process(model: str, config: CacheConfig, ids: list[int]) ->
     cmd = [sys.executable, "-m", "hybridkv", "generate", "--model", model, "--prompt-ids", f.name,
            "--store", config.store, "--ram-bytes", str(config.ram_bytes), "--block-tokens",
            str(config.block_tokens), "--max-new-tokens", "8", "--json"]
+    if config.remote:
+        cmd += ["--remote", config.remote]
     env_config = {"HYBRIDKV_REFERENCE_TOKENS": str(config.reference_tokens)}
     import os
 
@@ -154,7 +157,7 @@ def _plot(steps: list[Step], path: str) -> None:
 def main_demo(args) -> int:
     started = time.perf_counter()
     progress = (lambda _msg: None) if args.json else (lambda msg: print(msg, file=sys.stderr, flush=True))
-    steps = run_demo(args.model, args.store, args.prompt_tokens, args.plot, progress)
+    steps = run_demo(args.model, args.store, args.prompt_tokens, args.plot, progress, args.remote)
     if args.json:
         print(json.dumps([vars(s) for s in steps]))
     else:

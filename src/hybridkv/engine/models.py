@@ -6,12 +6,15 @@ built with ``torch.manual_seed(0)``, so two processes get the same weights and o
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from hybridkv.errors import HybridKVError
+
+log = logging.getLogger(__name__)
 
 VOCAB = 512
 MAX_LEN = 32768
@@ -103,7 +106,11 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32):
                             "cached states would be wrong")
     model = transformers.AutoModelForCausalLM.from_pretrained(
         path, local_files_only=True, dtype=dtype).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError):
+        log.warning("no tokenizer in %s; text prompts use the byte tokenizer (ids = bytes + 3)", path)
+        tokenizer = None
     return model, tokenizer
 
 

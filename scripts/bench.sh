@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Regenerates docs/benchmarks.md, docs/bench.json and docs/img/*.png with one full run.
+# A throwaway redis-server on a loopback port is started for the remote-tier figures when
+# redis-server is installed. Pass --quick for the two-minute version.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+remote=()
+if command -v redis-server >/dev/null 2>&1; then
+  port=6390
+  redis-server --port "$port" --bind 127.0.0.1 --save "" --appendonly no --daemonize yes \
+    --pidfile "/tmp/hybridkv-bench-redis.pid" >/dev/null
+  trap 'kill "$(cat /tmp/hybridkv-bench-redis.pid)" 2>/dev/null || true' EXIT
+  sleep 0.5
+  remote=(--remote "redis://127.0.0.1:$port/0")
+fi
+mkdir -p docs/img
+.venv/bin/hybridkv bench "$@" "${remote[@]}" --plot docs/img --json > docs/bench.json
+.venv/bin/python -m hybridkv.bench_report docs/bench.json docs/benchmarks.md
+echo "wrote docs/benchmarks.md"
