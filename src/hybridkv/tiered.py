@@ -23,7 +23,7 @@ from hybridkv.layout import Layout
 from hybridkv.manager import GroupedManager
 from hybridkv.planner import Plan, plan_pools
 from hybridkv.pool import Lookup
-from hybridkv.ram import SharedRegion, remove_stale_regions
+from hybridkv.ram import SharedRegion, cuda_pin_hook, remove_stale_regions
 
 log = logging.getLogger(__name__)
 RAM = "ram"
@@ -41,6 +41,13 @@ class _WriteThrough:
     group: int
     key: bytes
     futures: list[Future] = field(default_factory=list)
+
+
+def _cuda_available() -> bool:
+    """GPU machines pin RAM regions so device copies can use them (DESIGN §8)."""
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def open_secondary_tiers(layout: Layout, config: CacheConfig) -> list:
@@ -81,9 +88,11 @@ class TieredCache:
             raise HybridKVError(f"ram_dir {directory} does not exist; create it or choose another")
         remove_stale_regions(directory)
         tag = f"{self.layout.fingerprint()[:12]}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        pin_hook = cuda_pin_hook if _cuda_available() else None
         for gid, slots in self.plan.slots_per_group().items():
             page = self.layout.group(gid).page_bytes
-            self.regions[gid] = SharedRegion.create(directory / f"hybridkv-{tag}-g{gid}", slots, page)
+            self.regions[gid] = SharedRegion.create(directory / f"hybridkv-{tag}-g{gid}", slots, page,
+                                                    pin_hook, self.layout.tp_rank)
 
     # -- where is a page? -------------------------------------------------------------------
     def locate(self, group: int, keys: Sequence[bytes]) -> list[str | None]:

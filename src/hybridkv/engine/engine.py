@@ -113,7 +113,7 @@ class Engine:
                 start = req.hit_tokens
         restore_s = time.perf_counter() - t0
         if cache is None:
-            cache = _fresh(self.model)
+            cache = self.adapter.new_cache()
         logits = self._prefill(ids, start, cache, req)
         result_logits = [logits]
         token = int(logits.argmax())
@@ -171,9 +171,3 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _fresh(model):
-    from transformers import DynamicCache
-
-    return DynamicCache(config=model.config)

@@ -44,19 +44,13 @@ def _pack(specs: list[tuple[int, str, tuple[int, ...], torch.dtype]]) -> tuple[l
     return parts, offset
 
 
-def _new_cache(model):
-    from transformers import DynamicCache
-
-    return DynamicCache(config=model.config)
-
-
 class HFCacheAdapter:
     """Per-model page geometry, learned from one probe forward of ``block_tokens`` tokens."""
 
     def __init__(self, model, block_tokens: int, model_name: str):
         self.model = model
         self.B = block_tokens
-        cache = _new_cache(model)
+        cache = self.new_cache()
         for layer in cache.layers:
             if getattr(layer, "is_sliding", False):
                 raise HybridKVError(
@@ -101,6 +95,12 @@ class HFCacheAdapter:
             revision=getattr(config, "_commit_hash", None), dtype=str(next(model.parameters()).dtype),
         )
 
+    def new_cache(self):
+        """An empty cache object of the model's own kind."""
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
     # -- reading pages out of a live cache ------------------------------------------------
     def attention_page(self, cache, block: int) -> np.ndarray:
         """K/V of every attention layer for block ``block`` (just computed)."""
@@ -124,7 +124,7 @@ class HFCacheAdapter:
     # -- rebuilding a cache from pages ----------------------------------------------------
     def restore(self, attention_pages: list[np.ndarray], state_page: np.ndarray | None):
         """A fresh cache holding ``len(attention_pages)`` blocks and the state at their end."""
-        cache = _new_cache(self.model)
+        cache = self.new_cache()
         pages = [torch.from_numpy(np.asarray(pg)) for pg in attention_pages]
         by_layer: dict[int, dict[str, torch.Tensor]] = {}
         for p in self.attention_parts:
