@@ -29,16 +29,14 @@ class Part:
     shape: tuple[int, ...]
     dtype: torch.dtype
     offset: int
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape)) * torch.empty((), dtype=self.dtype).element_size()
+    nbytes: int
 
 
 def _pack(specs: list[tuple[int, str, tuple[int, ...], torch.dtype]]) -> tuple[list[Part], int]:
     parts, offset = [], 0
     for layer, name, shape, dtype in specs:
-        part = Part(layer, name, shape, dtype, offset)
+        nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+        part = Part(layer, name, shape, dtype, offset, nbytes)
         parts.append(part)
         offset += -(-part.nbytes // ALIGN) * ALIGN
     return parts, offset
