@@ -222,3 +222,23 @@ def test_families_with_wrong_chunked_prefill_are_refused(tmp_path, family):
     config_class(num_hidden_layers=2).save_pretrained(tmp_path)
     proc = run_cli("generate", "--model", tmp_path, "--prompt", "x")
     assert_one_line_error(proc, f"{family} is not supported", "cached states would be wrong")
+
+
+def test_stats_as_json_and_prometheus(tmp_path):
+    from hybridkv.metrics import to_prometheus
+
+    ids = prompt(3 * B + 1, seed=8)
+    with Engine("tiny-hybrid", CacheConfig(block_tokens=B, store=str(tmp_path))) as engine:
+        engine.generate(ids, 2)
+        engine.generate(ids, 2)
+        engine.cache.drain()
+        stats = engine.stats()
+    assert stats["groups"][0]["stores"] == 3 and stats["groups"][1]["stores"] == 1
+    assert stats["tiers"]["ram"]["hits"] == 4 and stats["tiers"]["fs"]["writes"] == 4
+    assert stats["connector"]["hit_tokens"] == 3 * B
+    text = to_prometheus(stats)
+    assert 'hybridkv_ram_stores_total{group="0",kind="attention"} 3' in text
+    assert 'hybridkv_tier_hits_total{tier="ram"} 4' in text
+    assert "# TYPE hybridkv_ram_slots gauge" in text
+    proc = run_cli("generate", "--prompt", "x" * 200, "--stats", "prometheus", "--store", tmp_path / "s")
+    assert proc.returncode == 0 and "hybridkv_connector_requests_total 1" in proc.stdout

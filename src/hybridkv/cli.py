@@ -180,6 +180,12 @@ def _cmd_generate(args) -> int:
                       f"restored (pages from {source}), {result.computed_tokens} computed, "
                       f"TTFT {result.ttft_s * 1000:.1f} ms")
                 print(f"  output: {engine.decode(result.output_token_ids)!r}", flush=True)
+        if args.stats and engine.cache is not None:
+            from hybridkv.metrics import to_prometheus
+
+            engine.cache.drain()
+            stats = engine.stats()
+            print(json.dumps({"stats": stats}) if args.stats == "json" else to_prometheus(stats), end="\n")
     return 0
 
 
@@ -288,6 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--prompt-ids", help="file with token ids (JSON list or whitespace separated)")
     source.add_argument("--requests", help="JSONL file: {\"prompt\"|\"prompt_ids\", \"max_new_tokens\"?, \"salt\"?}")
     p.add_argument("--json", action="store_true", help="one JSON object per request")
+    p.add_argument("--stats", choices=["json", "prometheus"], help="print cache statistics at the end")
     p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser("demo", help="watch the cache work: RAM, junction, restart, pressure")
