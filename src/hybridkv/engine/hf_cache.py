@@ -123,13 +123,19 @@ class HFCacheAdapter:
     def restore(self, attention_pages: list[np.ndarray], state_page: np.ndarray | None):
         """A fresh cache holding ``len(attention_pages)`` blocks and the state at their end."""
         cache = self.new_cache()
-        pages = [torch.from_numpy(np.asarray(pg)) for pg in attention_pages]
-        by_layer: dict[int, dict[str, torch.Tensor]] = {}
-        for p in self.attention_parts:
-            blocks = [pg[p.offset:p.offset + p.nbytes].view(p.dtype).view(p.shape) for pg in pages]
-            by_layer.setdefault(p.layer, {})[p.name] = torch.cat(blocks, dim=2)
-        for layer, kv in by_layer.items():
-            cache.update(kv["k"], kv["v"], layer)
+        if attention_pages:
+            # one gather of every page, then one rearranging copy per tensor:
+            # [n, 1, heads, B, dim] -> [1, heads, n * B, dim]
+            pages = torch.from_numpy(np.stack(attention_pages))
+            n = len(attention_pages)
+            by_layer: dict[int, dict[str, torch.Tensor]] = {}
+            for p in self.attention_parts:
+                _, heads, block, dim = p.shape
+                blocks = pages[:, p.offset:p.offset + p.nbytes].view(p.dtype).view(n, heads, block, dim)
+                by_layer.setdefault(p.layer, {})[p.name] = (
+                    blocks.permute(1, 0, 2, 3).reshape(1, heads, n * block, dim))
+            for layer, kv in by_layer.items():
+                cache.update(kv["k"], kv["v"], layer)
         if state_page is not None and self.state_parts:
             page = torch.from_numpy(np.asarray(state_page))
             for p in self.state_parts:     # conv first: it marks the layer as having state
