@@ -78,7 +78,7 @@ class FilesystemTier:
     name = "fs"
 
     def __init__(self, root: str | Path, layout: Layout, max_bytes: int | None = None,
-                 durability: str = "none", direct: bool | None = None, threads: int = 2):
+                 durability: str = "none", direct: bool | None = None, threads: int = 4):
         self.root = Path(root)
         self.layout = layout
         self.namespace = self.root / layout.fingerprint()

@@ -149,6 +149,14 @@ class ARCPolicy(EvictionPolicy):
             (self._t1 if where == 1 else self._t2).pop(key, None)
 
     def touch(self, keys):
+        if len(keys) == 1:                 # hot path: one key, usually already in T2
+            key = keys[0]
+            if self._list.get(key) == 2:
+                try:  # noqa: SIM105 - suppress() would add a context manager to the hot path
+                    self._t2.move_to_end(key)
+                except KeyError:  # pinned keys are not in the evictable order
+                    pass
+                return
         lst, t1, t2, size = self._list, self._t1, self._t2, self._size
         for key in reversed(keys):
             where = lst.get(key)
