@@ -1,6 +1,5 @@
 import subprocess
 import sys
-import time
 
 import numpy as np
 
@@ -47,11 +46,8 @@ def test_list_and_array_inputs_agree():
     assert block_hashes(tokens, 64) == block_hashes(tokens.tolist(), 64)
 
 
-def test_64k_prompt_hashes_fast_enough_to_matter():
-    # Not a timing assertion: the speed is reported by `hybridkv bench`; this only checks
-    # the function handles a long prompt and returns one key per block.
+def test_64k_prompt_gives_one_distinct_key_per_block():
+    # the speed is a benchmark figure (`hybridkv bench`), not a test assertion
     tokens = np.random.default_rng(0).integers(0, 150000, 65536)
-    t = time.perf_counter()
     keys = block_hashes(tokens, 16)
     assert len(keys) == 4096 and len(set(keys)) == 4096
-    assert time.perf_counter() - t < 30
