@@ -313,3 +313,16 @@ def test_promotion_never_evicts_resident_pages_of_the_same_request(tmp_path):
         assert views is not None
         for i in range(3):
             assert np.array_equal(views[0][i], page(0, i))
+
+
+def test_promotion_waits_for_write_through_pins_instead_of_missing(tmp_path):
+    config = CacheConfig(block_tokens=16, ram_bytes=1024**2, store=str(tmp_path))
+    with TieredCache(LAYOUT, config) as cache:
+        cache.store({0: [(key(i), page(0, i)) for i in range(3)]})
+    small = LAYOUT.group(0).page_bytes * 3 + LAYOUT.group(1).page_bytes * 4
+    with TieredCache(LAYOUT, config.replace(ram_bytes=small, reference_tokens=32)) as cache:
+        cache.store({0: [(key(i), page(0, i)) for i in (7, 8, 9)]})   # RAM full, pinned until written
+        assert all(cache.manager.pool(0).refs_of(key(i)) == 1 for i in (7, 8, 9))
+        views = cache.acquire({0: [key(0), key(1), key(2)]})
+        assert views is not None
+        assert all(np.array_equal(views[0][i], page(0, i)) for i in range(3))

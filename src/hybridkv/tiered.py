@@ -153,6 +153,11 @@ class TieredCache:
                     return False
                 sources[(gid, key)] = where
         plans = self.manager.prepare_store(missing)
+        if plans is None and self._writes:
+            # Slots pinned only by write-through free up once those writes land: waiting for
+            # them is bounded and far cheaper than recomputing the prefix.
+            self.drain()
+            plans = self.manager.prepare_store(missing)
         if plans is None:
             return False
         by_tier: dict[str, list] = {}
