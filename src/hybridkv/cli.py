@@ -254,7 +254,10 @@ def _add_cache_flags(p) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from hybridkv import __version__
+
     parser = _Parser(prog="hybridkv", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"hybridkv {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("plan", help="size the RAM pools of a layout for a byte budget")
