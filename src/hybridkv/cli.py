@@ -15,7 +15,7 @@ from hybridkv.sizes import format_size, parse_size
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse's own misuse path: one line, status 2
-        self.exit(2, f"hybridkv: error: {message} (see 'hybridkv {self.prog.split()[-1]} --help')\n")
+        self.exit(2, f"hybridkv: error: {message} (see '{self.prog} --help')\n")
 
 
 def _cmd_plan(args) -> int:
