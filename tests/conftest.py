@@ -72,12 +72,12 @@ class RedisServer:
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", *self.extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
-        for _ in range(100):
+        for _ in range(200):               # up to 20 s: a loaded CI machine can be slow
             try:
                 client.ping()
                 return self
             except redis.ConnectionError:
-                time.sleep(0.05)
+                time.sleep(0.1)
         raise RuntimeError(f"redis-server did not start on port {self.port}")
 
     def stop(self):
