@@ -156,4 +156,4 @@ def load_config(
         raise HybridKVError(
             f"unknown config setting(s) {sorted(unknown)}; known: {', '.join(sorted(_FIELDS))}"
         )
-    return CacheConfig(**{k: _coerce(k, v) for k, v in values.items()})
+    return CacheConfig(**values)

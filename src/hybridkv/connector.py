@@ -1,8 +1,8 @@
 """Request-level cache logic, engine-neutral: keys, the hybrid hit, loads and stores.
 
-The engine asks three things: how deep can this prompt be restored (``begin``/``load``),
-which boundaries must end a chunk and have their state offered (``wants_state``), and it
-hands over pages it actually computed (``offer_block``/``offer_state``). Nothing is stored by
+The engine asks how deep a prompt can be restored (``begin``/``load``) and which computed
+blocks and boundary states the cache wants (``wants_block``/``wants_state``), then hands over
+the pages it actually computed (``offer_block``/``offer_state``). Nothing is stored by
 guessing positions. Offers that RAM refuses now stay pending and are retried each step.
 """
 
@@ -78,12 +78,12 @@ class Connector:
         return compute_hit(self.groups, req.n_tokens, self.B,
                            lambda gid, block: where[gid][block] is not None)
 
-    def _wanted(self, req: RequestState) -> dict[int, list[bytes]]:
+    def _hit_blocks(self, req: RequestState) -> dict[int, range]:
+        """Blocks the hit loads: every block for token groups, the last one's state otherwise."""
         n = req.hit.tokens // self.B
-        wanted = {gid: req.keys[:n] for gid in self.token_groups}
-        for gid in self.state_groups:
-            wanted[gid] = [req.keys[n - 1]]
-        return wanted
+        blocks = {gid: range(n) for gid in self.token_groups}
+        blocks.update({gid: range(n - 1, n) for gid in self.state_groups})
+        return blocks
 
     def load(self, req: RequestState) -> dict[int, list[np.ndarray]] | None:
         """Pin the hit's pages in RAM and return views: token groups get every block up to
@@ -91,12 +91,11 @@ class Connector:
         for _ in range(self.MAX_LOAD_ATTEMPTS):
             if req.hit.tokens == 0:
                 return None
-            wanted = self._wanted(req)
+            blocks = self._hit_blocks(req)
+            wanted = {gid: [req.keys[b] for b in bs] for gid, bs in blocks.items()}
             counts = {"ram": 0, "fs": 0, "remote": 0}
-            n = req.hit.tokens // self.B
-            for gid in wanted:
-                blocks = range(n) if gid in self.token_groups else [n - 1]
-                for b in blocks:
+            for gid, bs in blocks.items():
+                for b in bs:
                     counts[req.where[gid][b]] += 1
             views = self.cache.acquire(wanted, req.request_id)
             if views is not None:
@@ -122,13 +121,15 @@ class Connector:
             return False
         return self.retention.keeps(boundary, req.n_tokens, req.hit.junction)
 
+    def wants_block(self, req: RequestState, block: int) -> bool:
+        """Should the engine hand over the attention pages of this full prompt block?"""
+        return block < len(req.keys) and not self._over_cap(req, (block + 1) * self.B)
+
     def _over_cap(self, req: RequestState, tokens: int) -> bool:
         return req.max_stored_tokens is not None and tokens > req.max_stored_tokens
 
     def offer_block(self, req: RequestState, block: int, pages: Pages) -> None:
         """Attention/sliding-window pages of one full prompt block the engine computed."""
-        if block >= len(req.keys) or self._over_cap(req, (block + 1) * self.B):
-            return
         key = req.keys[block]
         self._offer(req, ("block", block), {gid: [(key, page)] for gid, page in pages.items()})
 

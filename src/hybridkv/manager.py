@@ -73,14 +73,8 @@ class GroupedManager:
             if not self.pools[gid].can_place(ks, news[gid]):
                 self.pools[gid].stats.store_refusals += 1
                 return None
-        plans = {}
-        for gid, ks in keys.items():
-            plan = self.pools[gid].prepare_store(ks)
-            if plan is None:  # cannot happen after can_place; keep the promise anyway
-                for done_gid, done in plans.items():
-                    self.pools[done_gid].complete_store(done.keys, success=False)
-                return None
-            plans[gid] = plan
+        plans = {gid: self.pools[gid].prepare_store(ks, news[gid]) for gid, ks in keys.items()}
+        assert all(plan is not None for plan in plans.values()), "can_place promised room"
         return plans
 
     def complete_store(self, keys: GroupKeys, success: bool = True) -> None:

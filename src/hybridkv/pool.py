@@ -130,20 +130,17 @@ class SlotPool:
         protected_evictable = sum(1 for k in set(keys) if k in self._entries and is_ev(k))
         return self.policy.evictable_count() - protected_evictable >= need
 
-    def prepare_store(self, keys: Sequence) -> StorePlan | None:
+    def prepare_store(self, keys: Sequence, new: list | None = None) -> StorePlan | None:
         """Reserve write-pending slots for the keys not yet present, evicting if needed.
 
-        Returns None (nothing changed) when eviction cannot free enough slots now.
+        ``new`` is ``new_keys(keys)`` when the caller already has it. Returns None (nothing
+        changed) when eviction cannot free enough slots now.
         """
         entries, free = self._entries, self._free
-        if len(keys) == 1:
-            if keys[0] in entries:
-                return StorePlan([], [], [])
-            new = keys
-        else:
+        if new is None:
             new = self.new_keys(keys)
-            if not new:
-                return StorePlan([], [], [])
+        if not new:
+            return StorePlan([], [], [])
         evicted: list = []
         need = len(new) - len(free) - self.capacity + self._fresh
         if need > 0:
@@ -167,7 +164,7 @@ class SlotPool:
             entries[key] = [s, WRITE_PENDING]
             inserted(key)
             slots.append(s)
-        return StorePlan(list(new), slots, evicted)
+        return StorePlan(new, slots, evicted)
 
     def complete_store(self, keys: Sequence, success: bool = True) -> None:
         """Publish written keys (success) or release their slots (failure)."""

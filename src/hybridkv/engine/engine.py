@@ -149,7 +149,9 @@ class Engine:
                              cache=cache, use_cache=True, logits_to_keep=1)
             logits = out.logits[0, -1].float()
             if req is not None and e % B == 0:
-                conn.offer_block(req, e // B - 1, {ATTENTION_GROUP: self.adapter.attention_page(cache, e // B - 1)})
+                block = e // B - 1
+                if conn.wants_block(req, block):
+                    conn.offer_block(req, block, {ATTENTION_GROUP: self.adapter.attention_page(cache, block)})
                 if conn.wants_state(req, e):
                     conn.offer_state(req, e, {STATE_GROUP: self.adapter.state_page(cache)})
                 conn.step(req)
