@@ -16,5 +16,5 @@ if command -v redis-server >/dev/null 2>&1; then
 fi
 mkdir -p docs/img
 .venv/bin/hybridkv bench "$@" "${remote[@]}" --plot docs/img --json > docs/bench.json
-.venv/bin/python -m hybridkv.bench_report docs/bench.json docs/benchmarks.md
+.venv/bin/python -m hybridkv.tools.bench_report docs/bench.json docs/benchmarks.md
 echo "wrote docs/benchmarks.md"

@@ -1,7 +1,7 @@
 import json
 
-from hybridkv.bench import bench_fs, bench_ram, bench_remote
-from hybridkv.bench_report import plot, tables
+from hybridkv.tools.bench import bench_fs, bench_ram, bench_remote
+from hybridkv.tools.bench_report import plot, tables
 
 from conftest import run_cli
 

@@ -1,8 +1,8 @@
 import pytest
 
 from hybridkv.config import CacheConfig, load_config, parse_retention
-from hybridkv.errors import HybridKVError
-from hybridkv.sizes import parse_size
+from hybridkv.core.errors import HybridKVError
+from hybridkv.core.sizes import parse_size
 
 
 @pytest.mark.parametrize("text, expected", [

@@ -5,9 +5,9 @@ import logging
 import numpy as np
 import pytest
 
+from hybridkv.cache import TieredCache
 from hybridkv.config import CacheConfig
 from hybridkv.connector import Connector
-from hybridkv.tiered import TieredCache
 
 from helpers.tier_worker import LAYOUT, page
 
@@ -90,9 +90,9 @@ def test_finish_releases_pins_a_request_still_holds(cache):
     req = conn.begin("reader", tokens(2 * B + 1, 1))
     assert req.hit_tokens == 2 * B
     conn.load(req)                                          # pinned, never released by the engine
-    assert cache.manager.pool(1).refs_of(req.keys[1]) == 1
+    assert cache.pools.pool(1).refs_of(req.keys[1]) == 1
     conn.finish(req)
-    assert cache.manager.pool(1).refs_of(req.keys[1]) == 0
+    assert cache.pools.pool(1).refs_of(req.keys[1]) == 0
 
 
 def test_state_offers_follow_retention_and_caps(cache):

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from hybridkv.config import CacheConfig
+from hybridkv.core.keys import block_hashes
+from hybridkv.core.retention import replay_boundary
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.hf_cache import STATE_GROUP
 from hybridkv.engine.models import BUILTINS
-from hybridkv.fs_tier import page_path
-from hybridkv.keys import block_hashes
-from hybridkv.retention import replay_boundary
+from hybridkv.tiers.filesystem import page_path
 
 from conftest import assert_one_line_error, run_cli
 
@@ -225,7 +225,7 @@ def test_families_with_wrong_chunked_prefill_are_refused(tmp_path, family):
 
 
 def test_stats_as_json_and_prometheus(tmp_path):
-    from hybridkv.metrics import to_prometheus
+    from hybridkv.tools.metrics import to_prometheus
 
     ids = prompt(3 * B + 1, seed=8)
     with Engine("tiny-hybrid", CacheConfig(block_tokens=B, store=str(tmp_path))) as engine:

@@ -3,7 +3,7 @@ import sys
 
 import numpy as np
 
-from hybridkv.keys import block_hashes
+from hybridkv.core.keys import block_hashes
 
 
 def test_chaining_makes_keys_depend_on_the_whole_prefix():
@@ -33,7 +33,7 @@ def test_salt_and_extra_isolate():
 
 
 def test_deterministic_across_processes_and_hash_seeds():
-    code = ("from hybridkv.keys import block_hashes; "
+    code = ("from hybridkv.core.keys import block_hashes; "
             "print(block_hashes(list(range(1000)), 64, salt='s')[-1].hex())")
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            check=True, env={"PYTHONHASHSEED": seed, "PATH": ""}).stdout.strip()

@@ -1,8 +1,8 @@
 import pytest
 
-from hybridkv.errors import HybridKVError
-from hybridkv.layout import layout_from_dict, load_layout
-from hybridkv.planner import plan_pools
+from hybridkv.core.errors import HybridKVError
+from hybridkv.core.layout import layout_from_dict, load_layout
+from hybridkv.core.planner import plan_pools
 
 from conftest import LAYOUTS, assert_one_line_error, run_cli
 

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import redis
 
+from hybridkv.cache import TieredCache
 from hybridkv.config import CacheConfig
+from hybridkv.core.layout import layout_from_dict
 from hybridkv.engine.engine import Engine
-from hybridkv.layout import layout_from_dict
-from hybridkv.remote_tier import RemoteTier, masked
-from hybridkv.tiered import TieredCache
+from hybridkv.tiers.remote import RemoteTier, masked
 
 from conftest import RedisServer, free_port, run_cli
 from helpers.tier_worker import LAYOUT, key, page

@@ -1,8 +1,8 @@
 import pytest
 
-from hybridkv.errors import HybridKVError
-from hybridkv.layout import Group
-from hybridkv.retention import Retention, compute_hit, replay_boundary
+from hybridkv.core.errors import HybridKVError
+from hybridkv.core.layout import Group
+from hybridkv.core.retention import Retention, compute_hit, replay_boundary
 
 B = 64
 ATT = Group(0, "attention", 100)

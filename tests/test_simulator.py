@@ -2,8 +2,8 @@ from collections import Counter
 
 import pytest
 
-from hybridkv.layout import layout_from_dict
-from hybridkv.simulator import WORKLOADS, shared_system_prompt, simulate
+from hybridkv.core.layout import layout_from_dict
+from hybridkv.tools.simulator import WORKLOADS, shared_system_prompt, simulate
 
 B = 256
 LAYOUT = layout_from_dict({"model": "sim", "block_tokens": B, "max_model_len": 1 << 20, "groups": [
@@ -29,7 +29,7 @@ def _system_prompt_expectation(dense: bool) -> int:
 
 
 def _systems():
-    from hybridkv.simulator import _Tokens
+    from hybridkv.tools.simulator import _Tokens
 
     t = _Tokens(1)
     return [t(3000, 6000) for _ in range(3)]

@@ -9,13 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hybridkv import pagefile
+from hybridkv.cache import TieredCache
 from hybridkv.config import CacheConfig
-from hybridkv.errors import HybridKVError
-from hybridkv.fs_tier import FilesystemTier, page_path
-from hybridkv.layout import layout_from_dict
-from hybridkv.ram import SharedRegion, remove_stale_regions
-from hybridkv.tiered import TieredCache
+from hybridkv.core.errors import HybridKVError
+from hybridkv.core.layout import layout_from_dict
+from hybridkv.ram.regions import SharedRegion, remove_stale_regions
+from hybridkv.tiers import pagefile
+from hybridkv.tiers.filesystem import FilesystemTier, page_path
 
 from conftest import run_cli
 from helpers.tier_worker import LAYOUT, key, page
@@ -231,9 +231,9 @@ def test_write_through_pins_until_written_then_promotes_after_restart(tmp_path):
     config = CacheConfig(block_tokens=16, ram_bytes=1024**2, store=str(tmp_path))
     with TieredCache(LAYOUT, config) as cache:
         assert cache.store({0: [(key(1), page(0, 1))], 1: [(key(1), page(1, 1))]})
-        assert cache.manager.pool(1).refs_of(key(1)) >= 0
+        assert cache.pools.pool(1).refs_of(key(1)) >= 0
         cache.drain()
-        assert cache.manager.pool(1).refs_of(key(1)) == 0
+        assert cache.pools.pool(1).refs_of(key(1)) == 0
     with TieredCache(LAYOUT, config) as cache:
         assert cache.locate(1, [key(1), key(2)]) == ["fs", None]
         views = cache.acquire({0: [key(1)], 1: [key(1)]})
@@ -254,7 +254,7 @@ def test_corrupt_secondary_page_fails_acquire_and_is_not_served(tmp_path):
     with TieredCache(LAYOUT, config) as cache:
         assert cache.acquire({1: [key(4)]}) is None
         assert cache.locate(1, [key(4)]) == [None]
-        assert cache.manager.pool(1).lookup(key(4)).value == "miss"
+        assert cache.pools.pool(1).lookup(key(4)).value == "miss"
 
 
 def test_regions_are_removed_at_close(tmp_path):
@@ -322,7 +322,7 @@ def test_promotion_waits_for_write_through_pins_instead_of_missing(tmp_path):
     small = LAYOUT.group(0).page_bytes * 3 + LAYOUT.group(1).page_bytes * 4
     with TieredCache(LAYOUT, config.replace(ram_bytes=small, reference_tokens=32)) as cache:
         cache.store({0: [(key(i), page(0, i)) for i in (7, 8, 9)]})   # RAM full, pinned until written
-        assert all(cache.manager.pool(0).refs_of(key(i)) == 1 for i in (7, 8, 9))
+        assert all(cache.pools.pool(0).refs_of(key(i)) == 1 for i in (7, 8, 9))
         views = cache.acquire({0: [key(0), key(1), key(2)]})
         assert views is not None
         assert all(np.array_equal(views[0][i], page(0, i)) for i in range(3))

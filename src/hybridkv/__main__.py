@@ -1,5 +1,5 @@
 import sys
 
-from hybridkv.cli import main
+from hybridkv.tools.cli import main
 
 sys.exit(main())

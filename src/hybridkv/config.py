@@ -12,8 +12,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridkv.errors import HybridKVError
-from hybridkv.sizes import parse_size
+from hybridkv.core.errors import HybridKVError
+from hybridkv.core.sizes import parse_size
 
 try:
     import tomllib

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hybridkv.keys import block_hashes
-from hybridkv.layout import Layout
-from hybridkv.retention import Hit, Retention, compute_hit
-from hybridkv.tiered import TieredCache
+from hybridkv.cache import TieredCache
+from hybridkv.core.keys import block_hashes
+from hybridkv.core.layout import GroupKind, Layout
+from hybridkv.core.retention import Hit, Retention, compute_hit
 
 log = logging.getLogger(__name__)
 Pages = Mapping[int, np.ndarray]      # group id -> one page (uint8)
@@ -55,7 +55,7 @@ class Connector:
         self.retention = retention or Retention(self.B, cache.config.retention)
         self.groups = self.layout.cacheable_groups
         self.token_groups = [g.id for g in self.groups if g.is_token_group]
-        self.state_groups = [g.id for g in self.groups if g.kind == "state"]
+        self.state_groups = [g.id for g in self.groups if g.kind is GroupKind.STATE]
         self.stats = {"requests": 0, "hit_tokens": 0, "prompt_tokens": 0, "offers_retried": 0,
                       "offers_dropped": 0, "pages_stored": 0}
 
@@ -65,7 +65,7 @@ class Connector:
         """Key the prompt and find its hybrid hit over every tier (one call to compute_hit)."""
         req = RequestState(request_id, len(tokens), block_hashes(tokens, self.B, salt),
                            max_stored_tokens=max_stored_tokens)
-        self.cache.manager.request_started(request_id)
+        self.cache.request_started(request_id)
         req.hit = self._find_hit(req)
         self.stats["requests"] += 1
         self.stats["prompt_tokens"] += req.n_tokens
@@ -110,7 +110,7 @@ class Connector:
         if req.loaded is None:
             return
         self.cache.release(req.loaded, req.request_id)
-        self.cache.manager.touch(req.loaded)
+        self.cache.touch(req.loaded)
         self.stats["hit_tokens"] += req.hit.tokens
         req.loaded = None
 
@@ -168,4 +168,4 @@ class Connector:
             self.stats["offers_dropped"] += len(req.pending)
             req.pending.clear()
         self.release(req)
-        self.cache.manager.request_finished(req.request_id)
+        self.cache.request_finished(req.request_id)

@@ -8,10 +8,10 @@ import time
 
 import numpy as np
 
+from hybridkv.cache import TieredCache
 from hybridkv.config import CacheConfig
-from hybridkv.layout import layout_from_dict
-from hybridkv.ram import SharedRegion
-from hybridkv.tiered import TieredCache
+from hybridkv.core.layout import layout_from_dict
+from hybridkv.ram.regions import SharedRegion
 
 LAYOUT = layout_from_dict({
     "model": "tier-test", "block_tokens": 16, "max_model_len": 4096,

@@ -15,12 +15,13 @@ from pathlib import Path
 
 import torch
 
+from hybridkv.cache import TieredCache
 from hybridkv.config import CacheConfig
 from hybridkv.connector import Connector
+from hybridkv.core.errors import HybridKVError
 from hybridkv.engine.hf_cache import ATTENTION_GROUP, STATE_GROUP, HFCacheAdapter
 from hybridkv.engine.models import BUILTINS, ByteTokenizer, load_model
-from hybridkv.errors import HybridKVError
-from hybridkv.tiered import TieredCache
+from hybridkv.engine.pinning import default_pin_hook
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -62,10 +63,9 @@ class Engine:
     """
 
     def __init__(self, model: str = "tiny-hybrid", config: CacheConfig | None = None,
-                 use_cache: bool = True, dtype: str = "float32", threads: int | None = None):
+                 use_cache: bool = True, dtype: str = "float32"):
         if dtype not in DTYPES:
             raise HybridKVError(f"dtype {dtype!r} is not supported; use float32 or bfloat16")
-        torch.set_num_threads(threads or min(2, torch.get_num_threads()))
         self.config = config or CacheConfig()
         self.model_name = model if model in BUILTINS else Path(model).name
         self.model, tokenizer = load_model(model, DTYPES[dtype])
@@ -76,7 +76,7 @@ class Engine:
         self.cache: TieredCache | None = None
         self.connector: Connector | None = None
         if use_cache:
-            self.cache = TieredCache(self.layout, self.config)
+            self.cache = TieredCache(self.layout, self.config, pin_hook=default_pin_hook())
             self.connector = Connector(self.cache)
         self._ids = itertools.count()
 
@@ -99,9 +99,17 @@ class Engine:
                 f"maximum length {self.max_len}; shorten the prompt"
             )
         index = next(self._ids)
-        t0 = time.perf_counter()
         conn = self.connector
         req = conn.begin(f"r{index}-{id(self)}", ids, salt, max_stored_tokens) if conn else None
+        try:
+            return self._run(index, ids, max_new_tokens, req)
+        finally:
+            if req is not None:      # also on an exception: no pin outlives its request
+                conn.finish(req)
+
+    def _run(self, index: int, ids: list[int], max_new_tokens: int, req) -> GenerationResult:
+        t0 = time.perf_counter()
+        conn = self.connector
         start, cache, restored_bytes = 0, None, 0
         if req is not None and req.hit_tokens:
             views = conn.load(req)
@@ -128,8 +136,6 @@ class Engine:
             token = int(logits.argmax())
             out.append(token)
             position += 1
-        if req is not None:
-            conn.finish(req)
         return GenerationResult(
             request=index, prompt_tokens=len(ids), hit_tokens=start,
             computed_tokens=len(ids) - start,

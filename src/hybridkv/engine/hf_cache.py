@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hybridkv.errors import HybridKVError
-from hybridkv.layout import Group, Layout, TensorSpec
+from hybridkv.core.errors import HybridKVError
+from hybridkv.core.layout import Group, GroupKind, Layout, TensorSpec
 
 ALIGN = 64
 ATTENTION_GROUP, STATE_GROUP = 0, 1
@@ -77,12 +77,12 @@ class HFCacheAdapter:
             raise HybridKVError(f"{model_name} has no attention layer; nothing to page")
         self.attention_parts, attention_bytes = _pack(attn)
         self.state_parts, state_bytes = _pack(state)
-        groups = [Group(ATTENTION_GROUP, "attention", attention_bytes,
+        groups = [Group(ATTENTION_GROUP, GroupKind.ATTENTION, attention_bytes,
                         layers=tuple(f"layers.{i}" for i in sorted({p.layer for p in self.attention_parts})),
                         tensors=tuple(TensorSpec(f"{p.layer}.{p.name}", p.shape, str(p.dtype))
                                       for p in self.attention_parts))]
         if self.state_parts:
-            groups.append(Group(STATE_GROUP, "state", state_bytes,
+            groups.append(Group(STATE_GROUP, GroupKind.STATE, state_bytes,
                                 layers=tuple(f"layers.{i}" for i in sorted({p.layer for p in self.state_parts})),
                                 tensors=tuple(TensorSpec(f"{p.layer}.{p.name}", p.shape, str(p.dtype))
                                               for p in self.state_parts)))

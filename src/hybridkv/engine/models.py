@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from hybridkv.errors import HybridKVError
+from hybridkv.core.errors import HybridKVError
 
 log = logging.getLogger(__name__)
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridkv.errors import HybridKVError
-from hybridkv.layout import Layout
-from hybridkv.retention import Retention
+from hybridkv.core.errors import HybridKVError
+from hybridkv.core.layout import GroupKind, Layout
+from hybridkv.core.retention import Retention
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ def plan_pools(
         )
     if budget_bytes <= 0:
         raise HybridKVError("budget must be > 0; give e.g. --budget 4GiB")
-    has_state = any(g.kind == "state" for g in cacheable)
+    has_state = any(g.kind is GroupKind.STATE for g in cacheable)
     if (retention is not None and has_state and engine_block_tokens is not None
             and engine_block_tokens < B):
         raise HybridKVError(
@@ -97,7 +97,7 @@ def plan_pools(
         )
     policy = Retention(B, retention)
     token_bytes = sum(g.page_bytes for g in cacheable if g.is_token_group)
-    state_bytes = sum(g.page_bytes for g in cacheable if g.kind == "state")
+    state_bytes = sum(g.page_bytes for g in cacheable if g.kind is GroupKind.STATE)
 
     def cost(n: int) -> int:
         return n * token_bytes + state_slots(n, B, reference_tokens, policy) * state_bytes

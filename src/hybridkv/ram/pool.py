@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
-from hybridkv.policies import EvictionPolicy, make_policy
+from hybridkv.ram.policies import EvictionPolicy, make_policy
 
 WRITE_PENDING = -1
 
@@ -35,6 +35,20 @@ class StorePlan:
     evicted: list = field(default_factory=list)
 
 
+class EventKind(Enum):
+    STORED = "stored"
+    REMOVED = "removed"
+
+
+@dataclass(frozen=True, slots=True)
+class PoolEvent:
+    """Keys that became loadable or left RAM (for engines that publish KV events)."""
+
+    kind: EventKind
+    group: int
+    keys: tuple
+
+
 @dataclass
 class PoolStats:
     stores: int = 0
@@ -44,7 +58,8 @@ class PoolStats:
 
 
 class SlotPool:
-    def __init__(self, group_id: int, capacity: int, policy: str | EvictionPolicy = "lru"):
+    def __init__(self, group_id: int, capacity: int, policy: str | EvictionPolicy = "lru",
+                 record_events: bool = False):
         if capacity <= 0:
             raise ValueError(f"group {group_id}: a pool needs at least one slot")
         self.group_id = group_id
@@ -54,7 +69,8 @@ class SlotPool:
         self._free: list[int] = []
         self._fresh = 0            # slots never handed out start here (lazy free list)
         self.stats = PoolStats()
-        self.events: list[tuple[str, int, object]] = []
+        # Opt-in: a server that never drains them would grow without bound.
+        self.events: list[PoolEvent] | None = [] if record_events else None
         self.touch = self.policy.touch   # recency update, straight to the policy (hot path)
 
     # -- queries -------------------------------------------------------------------------
@@ -151,7 +167,8 @@ class SlotPool:
             for key in victims:
                 free.append(entries.pop(key)[0])
             self.stats.evictions += len(victims)
-            self.events.append(("removed", self.group_id, victims))
+            if self.events is not None:
+                self.events.append(PoolEvent(EventKind.REMOVED, self.group_id, tuple(victims)))
             evicted = victims
         slots = []
         inserted = self.policy.inserted
@@ -175,7 +192,8 @@ class SlotPool:
                 entry[1] = 0
                 policy.set_evictable(keys[0], True)
                 self.stats.stores += 1
-                self.events.append(("stored", self.group_id, keys))
+                if self.events is not None:
+                    self.events.append(PoolEvent(EventKind.STORED, self.group_id, tuple(keys)))
             return
         done = []
         for key in keys:
@@ -194,12 +212,16 @@ class SlotPool:
             return
         if success:
             self.stats.stores += len(done)
-            self.events.append(("stored", self.group_id, done))
+            if self.events is not None:
+                self.events.append(PoolEvent(EventKind.STORED, self.group_id, tuple(done)))
         else:
             self.stats.failed_stores += len(done)
 
     # -- housekeeping --------------------------------------------------------------------
-    def take_events(self) -> list[tuple[str, int, object]]:
+    def take_events(self) -> list[PoolEvent]:
+        """Drain the events recorded since the last call (empty unless ``record_events``)."""
+        if not self.events:
+            return []
         events, self.events = self.events, []
         return events
 
@@ -209,8 +231,8 @@ class SlotPool:
         for key in idle:
             self._free.append(self._entries.pop(key)[0])
             self.policy.removed(key)
-        if idle:
-            self.events.append(("removed", self.group_id, idle))
+        if idle and self.events is not None:
+            self.events.append(PoolEvent(EventKind.REMOVED, self.group_id, tuple(idle)))
 
     def snapshot_stats(self) -> dict:
         s = self.stats

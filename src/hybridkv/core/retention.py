@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from hybridkv.errors import HybridKVError
-from hybridkv.layout import Group
+from hybridkv.core.errors import HybridKVError
+from hybridkv.core.layout import Group, GroupKind
 
 
 def replay_boundary(n_tokens: int, block_tokens: int) -> int:
@@ -110,7 +110,7 @@ def _deepest_window(gid: int, window_blocks: int, candidate_blocks: int, present
 def _fixed_point(groups: Sequence[Group], cap_blocks: int, B: int, present: Present) -> int:
     c = cap_blocks
     for g in groups:
-        if g.kind == "attention":
+        if g.kind is GroupKind.ATTENTION:
             prefix = 0
             while prefix < c and present(g.id, prefix):
                 prefix += 1
@@ -118,9 +118,9 @@ def _fixed_point(groups: Sequence[Group], cap_blocks: int, B: int, present: Pres
     while True:
         before = c
         for g in groups:
-            if g.kind == "sliding_window":
+            if g.kind is GroupKind.SLIDING_WINDOW:
                 c = _deepest_window(g.id, -(-g.window_tokens // B), c, present)
-            elif g.kind == "state":
+            elif g.kind is GroupKind.STATE:
                 c = _deepest_state(g.id, c, present)
         if c == before:
             return c

@@ -20,11 +20,12 @@ from pathlib import Path
 
 import numpy as np
 
-from hybridkv import pagefile
-from hybridkv.errors import HybridKVError
-from hybridkv.io_queue import READ, WRITE, IOQueue
-from hybridkv.layout import Layout
-from hybridkv.ram import process_start_time
+from hybridkv.core.errors import HybridKVError
+from hybridkv.core.layout import Layout
+from hybridkv.ram.regions import process_start_time
+from hybridkv.tiers import pagefile
+from hybridkv.tiers.base import SecondaryTier, register_tier
+from hybridkv.tiers.io_queue import READ, WRITE, IOQueue
 
 log = logging.getLogger(__name__)
 ALIGN = 4096
@@ -74,7 +75,7 @@ def _tmp_owner_alive(name: str) -> bool:
     return process_start_time(pid) == start
 
 
-class FilesystemTier:
+class FilesystemTier(SecondaryTier):
     name = "fs"
 
     def __init__(self, root: str | Path, layout: Layout, max_bytes: int | None = None,
@@ -98,7 +99,7 @@ class FilesystemTier:
         self._start = process_start_time(os.getpid())
         self._local = threading.local()            # per-thread aligned buffer for O_DIRECT
         self.stats = {"reads": 0, "read_bytes": 0, "writes": 0, "write_bytes": 0,
-                      "corrupt": 0, "evictions": 0, "orphans_removed": 0}
+                      "corrupt": 0, "read_errors": 0, "evictions": 0, "orphans_removed": 0}
         self._scan()
         self._io = IOQueue(threads, "hybridkv-fs")
 
@@ -172,12 +173,18 @@ class FilesystemTier:
         except FileNotFoundError:
             self._forget(group, key)
             return False
-        except (OSError, pagefile.CorruptPage) as e:
+        except pagefile.CorruptPage as e:
             log.warning("quarantined corrupt page %s: %s", path, e)
             quarantine(self.namespace, path)
             self._forget(group, key)
             with self._lock:
                 self.stats["corrupt"] += 1
+            return False
+        except OSError as e:
+            # EMFILE, EIO, EINTR...: the page may be healthy, so it stays; this read misses.
+            log.warning("cannot read page %s: %s", path, e)
+            with self._lock:
+                self.stats["read_errors"] += 1
             return False
         with self._lock:
             self.stats["reads"] += 1
@@ -317,3 +324,7 @@ class FilesystemTier:
 
     def contains_many(self, group: int, keys) -> list[bool]:
         return [self.contains(group, k) for k in keys]
+
+
+register_tier("fs", "store", lambda root, layout, config: FilesystemTier(
+    root, layout, config.fs_bytes, config.durability))

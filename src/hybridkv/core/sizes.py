@@ -2,7 +2,7 @@
 
 import re
 
-from hybridkv.errors import HybridKVError
+from hybridkv.core.errors import HybridKVError
 
 _UNITS = {
     "": 1, "b": 1,

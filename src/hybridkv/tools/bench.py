@@ -20,10 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
-from hybridkv import bench_manager
 from hybridkv.config import CacheConfig
-from hybridkv.layout import layout_from_dict, load_layout
-from hybridkv.simulator import WORKLOADS, simulate
+from hybridkv.core.layout import layout_from_dict, load_layout
+from hybridkv.tools import bench_manager
+from hybridkv.tools.simulator import WORKLOADS, simulate
 
 GB = 1e9
 MiB = 1024 * 1024
@@ -46,7 +46,7 @@ def _page_layout(page_bytes: int):
 # -- 1. tiers ---------------------------------------------------------------------------------
 def bench_ram(page_bytes: int = 4 * MiB, pages: int = 64, repeats: int = 5) -> dict:
     """Copy pages into RAM-region slots vs np.copyto between two plain arrays (memcpy)."""
-    from hybridkv.ram import SharedRegion
+    from hybridkv.ram.regions import SharedRegion
 
     src = np.random.default_rng(0).integers(0, 256, (pages, page_bytes), dtype=np.uint8)
     plain = np.empty_like(src)
@@ -105,7 +105,7 @@ def _raw_io(directory: Path, pages: np.ndarray, direct: bool) -> tuple[float, fl
 def bench_fs(directory: str | None = None, page_bytes: int = 4 * MiB, pages: int = 64,
              repeats: int = 3) -> dict:
     """FilesystemTier write/read vs raw per-file I/O of the same bytes on the same disk."""
-    from hybridkv.fs_tier import FilesystemTier, probe_direct_io
+    from hybridkv.tiers.filesystem import FilesystemTier, probe_direct_io
 
     base = Path(directory or tempfile.mkdtemp(prefix="hybridkv-bench-fs-"))
     base.mkdir(parents=True, exist_ok=True)
@@ -175,7 +175,7 @@ def bench_remote(url: str, page_bytes: int = MiB, pages: int = 64, repeats: int 
     """Batched pipelines vs naive per-key SET/GET vs redis-benchmark, same value size."""
     import redis
 
-    from hybridkv.remote_tier import RemoteTier
+    from hybridkv.tiers.remote import RemoteTier
 
     layout = _page_layout(page_bytes)
     data = np.random.default_rng(2).integers(0, 256, (pages, page_bytes), dtype=np.uint8)
@@ -229,7 +229,7 @@ def _redis_benchmark(url: str, value_bytes: int) -> dict | None:
 
 
 def bench_hashing(tokens: int = 65536, block_tokens: int = 64, repeats: int = 20) -> dict:
-    from hybridkv.keys import block_hashes
+    from hybridkv.core.keys import block_hashes
 
     ids = np.random.default_rng(0).integers(0, 150_000, tokens)
     seconds = []
@@ -283,7 +283,7 @@ def bench_restore(lengths: list[int], model: str = "tiny-hybrid", repeats: int =
 
 # -- 4. simulator -----------------------------------------------------------------------------
 def bench_simulator(quick: bool) -> list[dict]:
-    layout = load_layout(Path(__file__).resolve().parent / "data" / "qwen3-next-80b-a3b.json")
+    layout = load_layout(Path(__file__).resolve().parents[1] / "data" / "qwen3-next-80b-a3b.json")
     budgets = [4, 16] if quick else [2, 4, 8, 16, 32]
     rows = []
     for workload in WORKLOADS:

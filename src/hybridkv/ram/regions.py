@@ -12,12 +12,13 @@ import fcntl
 import json
 import mmap
 import os
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
-from hybridkv.errors import HybridKVError
+from hybridkv.core.errors import HybridKVError
 
 PinHook = Callable[["SharedRegion"], None]
 
@@ -50,10 +51,26 @@ class SharedRegion:
     """``slots`` pages of ``page_bytes`` each in one shared mapping."""
 
     def __init__(self, path: Path, slots: int, page_bytes: int, fd: int, owner: bool):
-        self.path, self.slots, self.page_bytes, self.owner = path, slots, page_bytes, owner
+        self.path, self.slots, self.page_bytes = path, slots, page_bytes
         self._fd = fd
         self._map = mmap.mmap(fd, slots * page_bytes, mmap.MAP_SHARED)
         self.array = np.frombuffer(self._map, dtype=np.uint8).reshape(slots, page_bytes)
+        # A region never closed (forgotten cache, exception) still leaves no /dev/shm file
+        # behind when it is collected or the interpreter exits.
+        self._unlinker: weakref.finalize | None = None
+        self.owner = owner
+
+    @property
+    def owner(self) -> bool:
+        return self._unlinker is not None and self._unlinker.alive
+
+    @owner.setter
+    def owner(self, value: bool) -> None:
+        if self._unlinker is not None:
+            self._unlinker.detach()
+            self._unlinker = None
+        if value:
+            self._unlinker = weakref.finalize(self, _unlink_region, self.path)
 
     @property
     def nbytes(self) -> int:
@@ -146,9 +163,13 @@ class SharedRegion:
             self._map.close()
         self._map = None
         os.close(self._fd)
-        if self.owner:
-            self.path.unlink(missing_ok=True)
-            _lease_path(self.path).unlink(missing_ok=True)
+        if self._unlinker is not None:
+            self._unlinker()          # unlinks once; a no-op if it already ran
+
+
+def _unlink_region(path: Path) -> None:
+    path.unlink(missing_ok=True)
+    _lease_path(path).unlink(missing_ok=True)
 
 
 def remove_stale_regions(directory: str | Path, prefix: str = "hybridkv-") -> list[Path]:
@@ -167,13 +188,3 @@ def remove_stale_regions(directory: str | Path, prefix: str = "hybridkv-") -> li
             removed.append(region)
         lease_file.unlink(missing_ok=True)
     return removed
-
-
-def cuda_pin_hook(region: SharedRegion) -> None:
-    """Register the mapping with CUDA so GPU copies can use it (GPU machines only)."""
-    import torch
-
-    tensor = torch.from_numpy(region.array)
-    result = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), region.nbytes, 0)
-    if int(result) != 0:
-        raise RuntimeError(f"cudaHostRegister returned {int(result)}")

@@ -11,17 +11,18 @@ import logging
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
-from hybridkv.pool import Lookup, SlotPool, StorePlan
+from hybridkv.ram.pool import Lookup, PoolEvent, SlotPool, StorePlan
 
 log = logging.getLogger(__name__)
 
 GroupKeys = Mapping[int, Sequence]
 
 
-class GroupedManager:
-    def __init__(self, slots_per_group: Mapping[int, int], policy: str = "lru"):
+class GroupedPools:
+    def __init__(self, slots_per_group: Mapping[int, int], policy: str = "lru",
+                 record_events: bool = False):
         self.pools: dict[int, SlotPool] = {
-            gid: SlotPool(gid, n, policy) for gid, n in slots_per_group.items()
+            gid: SlotPool(gid, n, policy, record_events) for gid, n in slots_per_group.items()
         }
         self._request_pins: dict[str, Counter] = {}
 
@@ -98,11 +99,8 @@ class GroupedManager:
         log.warning("request %s finished holding %d pins; released", request, leaked)
         return leaked
 
-    def end_of_step(self) -> list[tuple[str, int, object]]:
-        """Collect the step's stored/removed events from every pool."""
-        return self.take_events()
-
-    def take_events(self) -> list[tuple[str, int, object]]:
+    def take_events(self) -> list[PoolEvent]:
+        """Drain the stored/removed events of every pool (end of an engine step)."""
         events = []
         for pool in self.pools.values():
             events.extend(pool.take_events())

@@ -9,8 +9,8 @@ import argparse
 import json
 import sys
 
-from hybridkv.errors import HybridKVError
-from hybridkv.sizes import format_size, parse_size
+from hybridkv.core.errors import HybridKVError
+from hybridkv.core.sizes import format_size, parse_size
 
 
 class _Parser(argparse.ArgumentParser):
@@ -20,8 +20,8 @@ class _Parser(argparse.ArgumentParser):
 
 def _cmd_plan(args) -> int:
     from hybridkv.config import parse_retention
-    from hybridkv.layout import load_layout
-    from hybridkv.planner import plan_pools
+    from hybridkv.core.layout import load_layout
+    from hybridkv.core.planner import plan_pools
 
     layout = load_layout(args.layout)
     plan = plan_pools(
@@ -43,13 +43,13 @@ def _cmd_plan(args) -> int:
 
 
 def _cmd_inspect(args) -> int:
-    from hybridkv.store_admin import inspect_store
+    from hybridkv.tiers.admin import inspect_store
 
     if args.store is None and args.remote is None:
         raise HybridKVError("inspect needs --store DIR or --remote URL")
     result = inspect_store(args.store) if args.store else {"total_bytes": 0, "namespaces": []}
     if args.remote:
-        from hybridkv.remote_tier import inspect_remote
+        from hybridkv.tiers.remote import inspect_remote
         result["remote"] = inspect_remote(args.remote)
     if args.json:
         print(json.dumps(result))
@@ -68,7 +68,7 @@ def _cmd_inspect(args) -> int:
 
 
 def _cmd_verify(args) -> int:
-    from hybridkv.store_admin import verify_store
+    from hybridkv.tiers.admin import verify_store
 
     result = verify_store(args.store, progress=not args.json)
     if args.json:
@@ -80,7 +80,7 @@ def _cmd_verify(args) -> int:
 
 
 def _cmd_gc(args) -> int:
-    from hybridkv.store_admin import gc_store
+    from hybridkv.tiers.admin import gc_store
 
     result = gc_store(args.store, parse_size(args.max_bytes, "--max-bytes"), progress=not args.json)
     if args.json:
@@ -153,7 +153,7 @@ def _quiet_transformers() -> None:
         transformers.logging.set_verbosity_error()
     except ImportError:
         raise HybridKVError("the reference engine needs transformers: pip install 'hybridkv[hf]'") from None
-    warnings.filterwarnings("ignore")
+    warnings.filterwarnings("ignore", module=r"transformers(\.|$)")
 
 
 def _cmd_generate(args) -> int:
@@ -181,7 +181,7 @@ def _cmd_generate(args) -> int:
                       f"TTFT {result.ttft_s * 1000:.1f} ms")
                 print(f"  output: {engine.decode(result.output_token_ids)!r}", flush=True)
         if args.stats and engine.cache is not None:
-            from hybridkv.metrics import to_prometheus
+            from hybridkv.tools.metrics import to_prometheus
 
             engine.cache.drain()
             stats = engine.stats()
@@ -190,7 +190,7 @@ def _cmd_generate(args) -> int:
 
 
 def _cmd_demo(args) -> int:
-    from hybridkv.demo import main_demo
+    from hybridkv.tools.demo import main_demo
 
     if args.prompt_tokens < 4 * 64:
         raise HybridKVError("--prompt-tokens must be at least 256 for the demo to show anything")
@@ -199,8 +199,8 @@ def _cmd_demo(args) -> int:
 
 
 def _cmd_bench(args) -> int:
-    from hybridkv.bench import run_bench
-    from hybridkv.bench_report import plot, tables
+    from hybridkv.tools.bench import run_bench
+    from hybridkv.tools.bench_report import plot, tables
 
     if args.manager_slots is not None and args.manager_slots < 1024:
         raise HybridKVError("--manager-slots must be at least 1024")

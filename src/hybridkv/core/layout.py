@@ -9,13 +9,29 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 
-from hybridkv.errors import HybridKVError
+from hybridkv.core.errors import HybridKVError
 
 FORMAT_VERSION = 1
-KINDS = ("attention", "sliding_window", "state", "scratch")
-TOKEN_KINDS = ("attention", "sliding_window")
+
+
+class GroupKind(str, Enum):
+    """How a group is cached: token groups hold a page per block, state groups one page per
+    kept boundary, scratch groups are never cached."""
+
+    ATTENTION = "attention"
+    SLIDING_WINDOW = "sliding_window"
+    STATE = "state"
+    SCRATCH = "scratch"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+KINDS = tuple(k.value for k in GroupKind)
+TOKEN_KINDS = (GroupKind.ATTENTION, GroupKind.SLIDING_WINDOW)
 
 
 @dataclass(frozen=True)
@@ -30,15 +46,18 @@ class TensorSpec:
 @dataclass(frozen=True)
 class Group:
     id: int
-    kind: str
+    kind: GroupKind
     page_bytes: int
     window_tokens: int | None = None
     layers: tuple[str, ...] = ()
     tensors: tuple[TensorSpec, ...] = ()
 
+    def __post_init__(self):
+        object.__setattr__(self, "kind", GroupKind(self.kind))   # accept the plain name too
+
     @property
     def cacheable(self) -> bool:
-        return self.kind != "scratch"
+        return self.kind is not GroupKind.SCRATCH
 
     @property
     def is_token_group(self) -> bool:
@@ -79,7 +98,7 @@ class Layout:
             "tp": [self.tp_rank, self.tp_size],
             "groups": [
                 {
-                    "id": g.id, "kind": g.kind, "page_bytes": g.page_bytes,
+                    "id": g.id, "kind": g.kind.value, "page_bytes": g.page_bytes,
                     "window_tokens": g.window_tokens, "layers": list(g.layers),
                     "tensors": [[t.name, list(t.shape), t.dtype] for t in g.tensors],
                 }
@@ -98,7 +117,7 @@ class Layout:
             out["tp_rank"], out["tp_size"] = self.tp_rank, self.tp_size
         groups = []
         for g in self.groups:
-            d: dict = {"id": g.id, "kind": g.kind, "page_bytes": g.page_bytes}
+            d: dict = {"id": g.id, "kind": g.kind.value, "page_bytes": g.page_bytes}
             if g.window_tokens is not None:
                 d["window_tokens"] = g.window_tokens
             if g.layers:
@@ -134,7 +153,7 @@ def _parse_group(raw, index: int) -> Group:
         raw.get("page_bytes"), f"{where}.page_bytes", "give the bytes of one page of this group"
     )
     window = raw.get("window_tokens")
-    if kind == "sliding_window":
+    if kind == GroupKind.SLIDING_WINDOW:
         window = _positive_int(window, f"{where}.window_tokens", "sliding_window groups need their window")
     elif window is not None:
         raise HybridKVError(

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hybridkv.keys import block_hashes
-from hybridkv.layout import Layout
-from hybridkv.manager import GroupedManager
-from hybridkv.planner import plan_pools
-from hybridkv.pool import Lookup
-from hybridkv.retention import Retention, compute_hit
+from hybridkv.core.keys import block_hashes
+from hybridkv.core.layout import GroupKind, Layout
+from hybridkv.core.planner import plan_pools
+from hybridkv.core.retention import Retention, compute_hit
+from hybridkv.ram.grouped_pools import GroupedPools
+from hybridkv.ram.pool import Lookup
 
 
 class _Tokens:
@@ -104,7 +104,7 @@ def prefill_seconds(tokens_from: int, tokens_to: int, per_token_s: float, per_to
     return n * per_token_s + per_token_sq_s * (tokens_to**2 - tokens_from**2) / 2
 
 
-def _ram_oracle(manager: GroupedManager, keys: list[bytes]):
+def _ram_oracle(manager: GroupedPools, keys: list[bytes]):
     return lambda gid, block: manager.pools[gid].lookup(keys[block]) is Lookup.HIT
 
 
@@ -114,11 +114,11 @@ def simulate(layout: Layout, workload: str, budget_bytes: int, retention: int | 
     """Replay one workload against RAM pools planned from ``budget_bytes``."""
     B = layout.block_tokens
     plan = plan_pools(layout, budget_bytes, retention, reference_tokens)
-    manager = GroupedManager(plan.slots_per_group(), eviction)
+    manager = GroupedPools(plan.slots_per_group(), eviction)
     policy = Retention(B, retention)
     groups = layout.cacheable_groups
     token_ids = [g.id for g in groups if g.is_token_group]
-    state_ids = [g.id for g in groups if g.kind == "state"]
+    state_ids = [g.id for g in groups if g.kind is GroupKind.STATE]
     page = {g.id: g.page_bytes for g in groups}
     sizes = {"users": 24, "turns": 6} if workload == "multi_turn_chat" else {}
     gen = WORKLOADS[workload](**{k: max(1, int(v * scale)) for k, v in sizes.items()})

@@ -12,9 +12,9 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from hybridkv import pagefile
-from hybridkv.errors import HybridKVError
-from hybridkv.fs_tier import MANIFEST, QUARANTINE, quarantine
+from hybridkv.core.errors import HybridKVError
+from hybridkv.tiers import pagefile
+from hybridkv.tiers.filesystem import MANIFEST, QUARANTINE, quarantine
 
 
 class Progress:

@@ -12,7 +12,7 @@ import random
 import statistics
 import time
 
-from hybridkv.manager import GroupedManager
+from hybridkv.ram.grouped_pools import GroupedPools
 
 CHUNK = 1024
 
@@ -21,8 +21,8 @@ def make_key(i: int) -> bytes:
     return hashlib.sha256(i.to_bytes(8, "little")).digest() + (0).to_bytes(4, "big")
 
 
-def _fresh_manager(n: int, policy: str) -> GroupedManager:
-    mgr = GroupedManager({0: n}, policy)
+def _fresh_manager(n: int, policy: str) -> GroupedPools:
+    mgr = GroupedPools({0: n}, policy)
     pool = mgr.pool(0)
     for start in range(0, 2 * n, CHUNK):
         keys = [make_key(i) for i in range(start, min(2 * n, start + CHUNK))]

@@ -18,12 +18,13 @@ from pathlib import Path
 import numpy as np
 
 from hybridkv.config import CacheConfig
-from hybridkv.errors import HybridKVError
-from hybridkv.layout import Layout
-from hybridkv.manager import GroupedManager
-from hybridkv.planner import Plan, plan_pools
-from hybridkv.pool import Lookup
-from hybridkv.ram import SharedRegion, cuda_pin_hook, remove_stale_regions
+from hybridkv.core.errors import HybridKVError
+from hybridkv.core.layout import Layout
+from hybridkv.core.planner import Plan, plan_pools
+from hybridkv.ram.grouped_pools import GroupedPools
+from hybridkv.ram.pool import Lookup
+from hybridkv.ram.regions import PinHook, SharedRegion, remove_stale_regions
+from hybridkv.tiers.base import SecondaryTier, open_tiers
 
 log = logging.getLogger(__name__)
 RAM = "ram"
@@ -43,61 +44,66 @@ class _WriteThrough:
     futures: list[Future] = field(default_factory=list)
 
 
-def _cuda_available() -> bool:
-    """GPU machines pin RAM regions so device copies can use them (DESIGN §8)."""
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def open_secondary_tiers(layout: Layout, config: CacheConfig) -> list:
-    tiers = []
-    if config.store:
-        from hybridkv.fs_tier import FilesystemTier
-        tiers.append(FilesystemTier(config.store, layout, config.fs_bytes, config.durability))
-    if config.remote:
-        from hybridkv.remote_tier import RemoteTier
-        tiers.append(RemoteTier(config.remote, layout, prefix=config.remote_prefix,
-                                ttl_s=config.remote_ttl_s, timeout_s=config.remote_timeout_s))
-    return tiers
-
-
 class TieredCache:
+    """The one object a connector talks to: lookups, loads, stores, request lifetimes.
+
+    ``secondaries`` replaces the tiers the config names (tests, benchmarks); ``pin_hook`` runs
+    on every RAM region at creation (the engine passes CUDA host registration on a GPU box).
+    """
+
     def __init__(self, layout: Layout, config: CacheConfig, plan: Plan | None = None,
-                 secondaries: Sequence | None = None):
+                 secondaries: Sequence[SecondaryTier] | None = None,
+                 pin_hook: PinHook | None = None):
         self.layout, self.config = layout, config
         reference = config.reference_tokens or layout.max_model_len or 64 * layout.block_tokens
         self.plan = plan or plan_pools(layout, config.ram_bytes, config.retention, reference)
-        self.manager = GroupedManager(self.plan.slots_per_group(), config.eviction)
+        self.pools = GroupedPools(self.plan.slots_per_group(), config.eviction)
         self.regions: dict[int, SharedRegion] = {}
-        self.secondaries: list = []
+        self.secondaries: list[SecondaryTier] = []
         self.counters: dict[str, TierCounters] = {RAM: TierCounters()}
         self._writes: list[_WriteThrough] = []
         try:
-            self._open_regions()
-            self.secondaries = list(secondaries) if secondaries is not None else open_secondary_tiers(layout, config)
+            self._open_regions(pin_hook)
+            self.secondaries = list(secondaries) if secondaries is not None else open_tiers(layout, config)
         except BaseException:
             self.close()
             raise
         for tier in self.secondaries:
             self.counters[tier.name] = TierCounters()
 
-    def _open_regions(self) -> None:
+    def _open_regions(self, pin_hook: PinHook | None) -> None:
         directory = Path(self.config.ram_dir)
         if not directory.is_dir():
             raise HybridKVError(f"ram_dir {directory} does not exist; create it or choose another")
         remove_stale_regions(directory)
         tag = f"{self.layout.fingerprint()[:12]}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        pin_hook = cuda_pin_hook if _cuda_available() else None
         for gid, slots in self.plan.slots_per_group().items():
             page = self.layout.group(gid).page_bytes
             self.regions[gid] = SharedRegion.create(directory / f"hybridkv-{tag}-g{gid}", slots, page,
                                                     pin_hook, self.layout.tp_rank)
 
+    # -- requests ---------------------------------------------------------------------------
+    def request_started(self, request: str) -> None:
+        """Pins taken for ``request`` from now on are released at ``request_finished``."""
+        self.pools.request_started(request)
+
+    def request_finished(self, request: str) -> int:
+        """Release every pin the request still holds (finish, abort, preemption); returns the
+        number that leaked."""
+        return self.pools.request_finished(request)
+
+    def touch(self, wanted: Mapping[int, Sequence[bytes]]) -> None:
+        """Refresh recency; callers touch a prefix after its tail so the prefix outlives it."""
+        self.pools.touch(wanted)
+
+    def region_paths(self) -> dict[int, tuple[str, int, int]]:
+        """group -> (path, slots, page bytes): what a worker process needs to attach."""
+        return {gid: (str(r.path), r.slots, r.page_bytes) for gid, r in self.regions.items()}
+
     # -- where is a page? -------------------------------------------------------------------
     def locate(self, group: int, keys: Sequence[bytes]) -> list[str | None]:
         """Tier name holding each key (RAM first), or None; secondary checks are batched."""
-        pool = self.manager.pool(group)
+        pool = self.pools.pool(group)
         where: list[str | None] = [RAM if pool.lookup(k) is Lookup.HIT else None for k in keys]
         for tier in self.secondaries:
             missing = [i for i, w in enumerate(where) if w is None]
@@ -121,28 +127,28 @@ class TieredCache:
         resident: dict[int, list[bytes]] = {}
         missing: dict[int, list[bytes]] = {}
         for gid, keys in wanted.items():
-            pool = self.manager.pool(gid)
+            pool = self.pools.pool(gid)
             for key in keys:
                 state = pool.lookup(key)
                 if state is Lookup.HIT_PENDING:
                     return None
                 (resident if state is Lookup.HIT else missing).setdefault(gid, []).append(key)
-        self.manager.prepare_load(resident, request)
+        self.pools.prepare_load(resident, request)
         if missing and not self._promote(missing):
-            self.manager.complete_load(resident, request)
+            self.pools.complete_load(resident, request)
             return None
         if missing:
-            self.manager.prepare_load(missing, request)
+            self.pools.prepare_load(missing, request)
         self.counters[RAM].hits += sum(len(k) for k in resident.values())
         views = {}
         for gid, keys in wanted.items():
-            region, pool = self.regions[gid], self.manager.pool(gid)
+            region, pool = self.regions[gid], self.pools.pool(gid)
             views[gid] = [region.page(pool.slot_of(k)) for k in keys]
             self.counters[RAM].bytes_out += len(keys) * region.page_bytes
         return views
 
     def release(self, wanted: Mapping[int, Sequence[bytes]], request: str | None = None) -> None:
-        self.manager.complete_load(wanted, request)
+        self.pools.complete_load(wanted, request)
 
     def _promote(self, missing: Mapping[int, Sequence[bytes]]) -> bool:
         """Read pages from the first secondary tier holding them into fresh RAM slots."""
@@ -152,12 +158,12 @@ class TieredCache:
                 if where is None:
                     return False
                 sources[(gid, key)] = where
-        plans = self.manager.prepare_store(missing)
+        plans = self.pools.prepare_store(missing)
         if plans is None and self._writes:
             # Slots pinned only by write-through free up once those writes land: waiting for
             # them is bounded and far cheaper than recomputing the prefix.
             self.drain()
-            plans = self.manager.prepare_store(missing)
+            plans = self.pools.prepare_store(missing)
         if plans is None:
             return False
         by_tier: dict[str, list] = {}
@@ -172,7 +178,7 @@ class TieredCache:
         ok = True
         for gid, key, tier, future in jobs:
             success = bool(future.result())
-            self.manager.complete_store({gid: [key]}, success)
+            self.pools.complete_store({gid: [key]}, success)
             if success:
                 counters = self.counters[tier.name]
                 counters.hits += 1
@@ -190,7 +196,7 @@ class TieredCache:
         keys = {gid: [k for k, _ in items] for gid, items in pages.items() if items}
         if not keys:
             return True
-        plans = self.manager.prepare_store(keys)
+        plans = self.pools.prepare_store(keys)
         if plans is None:
             return False
         ram = self.counters[RAM]
@@ -200,13 +206,13 @@ class TieredCache:
             for key, slot in zip(plan.keys, plan.slots, strict=True):
                 region.write(slot, data[key])
                 ram.bytes_in += region.page_bytes
-        self.manager.complete_store({gid: plan.keys for gid, plan in plans.items()})
+        self.pools.complete_store({gid: plan.keys for gid, plan in plans.items()})
         if self.secondaries:
             jobs, items = [], []
             for gid, plan in plans.items():
                 if not plan.keys:
                     continue
-                slots = self.manager.prepare_load({gid: plan.keys})[gid]   # pinned until written
+                slots = self.pools.prepare_load({gid: plan.keys})[gid]   # pinned until written
                 for key, slot in zip(plan.keys, slots, strict=True):
                     jobs.append(_WriteThrough(gid, key))
                     items.append((gid, key, self.regions[gid].page(slot)))
@@ -224,7 +230,7 @@ class TieredCache:
             (done if all(f.done() for f in w.futures) else waiting).append(w)
         self._writes = waiting
         for w in done:
-            self.manager.complete_load({w.group: [w.key]})
+            self.pools.complete_load({w.group: [w.key]})
         return len(done)
 
     def drain(self) -> None:
@@ -237,7 +243,7 @@ class TieredCache:
     # -- lifecycle --------------------------------------------------------------------------
     def stats(self) -> dict:
         groups = {}
-        for gid, s in self.manager.stats().items():
+        for gid, s in self.pools.stats().items():
             groups[gid] = {"kind": self.layout.group(gid).kind, **s}
         tiers = {name: vars(c).copy() for name, c in self.counters.items()}
         for tier in self.secondaries:

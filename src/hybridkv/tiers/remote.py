@@ -15,14 +15,15 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import numpy as np
 
-from hybridkv import pagefile
-from hybridkv.errors import HybridKVError
-from hybridkv.io_queue import READ, WRITE, IOQueue, fan_out
-from hybridkv.layout import Layout
+from hybridkv.core.errors import HybridKVError
+from hybridkv.core.layout import Layout
+from hybridkv.tiers import pagefile
+from hybridkv.tiers.base import SecondaryTier, register_tier
+from hybridkv.tiers.io_queue import READ, WRITE, IOQueue, fan_out
 
 log = logging.getLogger(__name__)
 CHUNK_BYTES = 32 * 1024 * 1024
@@ -47,14 +48,23 @@ def masked(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
+def split_cluster_flag(url: str) -> tuple[str, bool]:
+    """``(url without the cluster parameter, whether it asked for a cluster client)``."""
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    flags = [v for k, v in query if k == "cluster"]
+    cluster = any(v.lower() in ("1", "true", "yes") for v in flags)
+    rest = urlencode([(k, v) for k, v in query if k != "cluster"])
+    return urlunsplit(parts._replace(query=rest)), cluster
+
+
 def connect(url: str, timeout_s: float):
-    """A client for ``url``; ``?cluster=true`` (or a cluster-enabled server) gives a cluster client."""
+    """A client for ``url``; ``?cluster=true`` gives a cluster client."""
     redis = _redis()
-    cluster = "cluster=true" in url or "cluster=1" in url
-    clean = url.replace("?cluster=true", "").replace("?cluster=1", "")
     kwargs = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                   socket_read_size=1024 * 1024)
     try:
+        clean, cluster = split_cluster_flag(url)
         if cluster:
             from redis.cluster import RedisCluster
 
@@ -64,12 +74,14 @@ def connect(url: str, timeout_s: float):
         raise HybridKVError(f"remote URL {masked(url)} is unusable: {e}") from None
 
 
-class RemoteTier:
+class RemoteTier(SecondaryTier):
     name = "remote"
 
     def __init__(self, url: str, layout: Layout, prefix: str = "hybridkv", ttl_s: int | None = None,
-                 timeout_s: float = 0.5, threads: int = 2, chunk_bytes: int = CHUNK_BYTES):
+                 timeout_s: float = 0.5, threads: int = 2, chunk_bytes: int = CHUNK_BYTES,
+                 clock=time.monotonic):
         self.url = url
+        self.clock = clock              # the outage breaker's time source (tests inject one)
         self.layout = layout
         self.namespace = f"{prefix}:{{{layout.fingerprint()}"
         self.ttl_ms = int(ttl_s * 1000) if ttl_s else None
@@ -109,7 +121,7 @@ class RemoteTier:
         return batches
 
     def available(self) -> bool:
-        return time.monotonic() >= self._down_until
+        return self.clock() >= self._down_until
 
     def _call(self, fn, default=None):
         """Run one batch against the server; on connection trouble mark the tier down."""
@@ -120,13 +132,20 @@ class RemoteTier:
         except (self._redis.ConnectionError, self._redis.TimeoutError, OSError) as e:
             with self._lock:
                 self.stats["errors"] += 1
-                self._down_until = time.monotonic() + self._backoff
+                self._down_until = self.clock() + self._backoff
                 self._backoff = min(BACKOFF_MAX_S, self._backoff * 2)
                 if not self._down:
                     self._down = True
                     self.stats["outages"] += 1
                     log.warning("remote tier %s unreachable (%s); serving misses, retrying with backoff",
                                 masked(self.url), e)
+            return default
+        except self._redis.RedisError as e:
+            # A server-side error reply (OOM, WRONGTYPE, a cluster move): this batch misses,
+            # the server is reachable, so no backoff.
+            with self._lock:
+                self.stats["errors"] += 1
+            log.warning("remote tier %s answered an error (%s); treated as a miss", masked(self.url), e)
             return default
         with self._lock:
             self._backoff = BACKOFF_START_S
@@ -286,3 +305,7 @@ def inspect_remote(url: str, prefix: str = "hybridkv", timeout_s: float = 2.0) -
     return {"url": masked(url), "keys": sum(n["keys"] for n in namespaces.values()),
             "bytes": sum(n["bytes"] for n in namespaces.values()),
             "namespaces": sorted(namespaces.values(), key=lambda n: n["fingerprint"])}
+
+register_tier("remote", "remote", lambda url, layout, config: RemoteTier(
+    url, layout, prefix=config.remote_prefix, ttl_s=config.remote_ttl_s,
+    timeout_s=config.remote_timeout_s))

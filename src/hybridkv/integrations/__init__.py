@@ -1,0 +1,1 @@
+"""Adapters that plug hybridkv into serving engines (optional extras)."""

@@ -1,0 +1,1 @@
+"""The RAM tier: eviction policies, slot pools, grouped pools, shared memory regions."""

@@ -1,0 +1,1 @@
+"""Command line, demo, benchmarks and the workload simulator, over the library."""
