@@ -231,7 +231,7 @@ def test_write_through_pins_until_written_then_promotes_after_restart(tmp_path):
     config = CacheConfig(block_tokens=16, ram_bytes=1024**2, store=str(tmp_path))
     with TieredCache(LAYOUT, config) as cache:
         assert cache.store({0: [(key(1), page(0, 1))], 1: [(key(1), page(1, 1))]})
-        assert cache.pools.pool(1).refs_of(key(1)) >= 0
+        assert cache.pools.pool(1).refs_of(key(1)) == 1     # pinned until poll sees the write land
         cache.drain()
         assert cache.pools.pool(1).refs_of(key(1)) == 0
     with TieredCache(LAYOUT, config) as cache:
