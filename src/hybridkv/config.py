@@ -14,13 +14,13 @@ from pathlib import Path
 
 from hybridkv.core.errors import HybridKVError
 from hybridkv.core.sizes import parse_size
+from hybridkv.ram.policies import POLICIES
 
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-EVICTION_POLICIES = ("lru", "arc")
 DURABILITY = ("none", "fsync")
 
 
@@ -66,8 +66,8 @@ class CacheConfig:
             raise HybridKVError(f"block_tokens must be a positive integer, got {self.block_tokens!r}")
         if self.ram_bytes <= 0:
             raise HybridKVError("ram_bytes must be > 0; give the RAM tier a budget such as 1GiB")
-        if self.eviction not in EVICTION_POLICIES:
-            raise HybridKVError(f"eviction {self.eviction!r} is unknown; use lru or arc")
+        if self.eviction not in POLICIES:
+            raise HybridKVError(f"eviction {self.eviction!r} is unknown; use one of {', '.join(POLICIES)}")
         if self.retention is not None and self.retention % self.block_tokens:
             raise HybridKVError(
                 f"retention {self.retention} is not a multiple of block_tokens {self.block_tokens}; "

@@ -11,6 +11,7 @@ import sys
 
 from hybridkv.core.errors import HybridKVError
 from hybridkv.core.sizes import format_size, parse_size
+from hybridkv.ram.policies import POLICIES
 
 
 class _Parser(argparse.ArgumentParser):
@@ -250,7 +251,7 @@ def _add_cache_flags(p) -> None:
     p.add_argument("--fs-bytes", help="filesystem tier quota, e.g. 20GiB")
     p.add_argument("--block-tokens", type=int, help="tokens per block (default 64)")
     p.add_argument("--retention", help="dense, 0 (semantic, default) or an interval in tokens")
-    p.add_argument("--eviction", choices=["lru", "arc"])
+    p.add_argument("--eviction", choices=list(POLICIES))
 
 
 def build_parser() -> argparse.ArgumentParser:
