@@ -96,10 +96,6 @@ class TieredCache:
         """Refresh recency; callers touch a prefix after its tail so the prefix outlives it."""
         self.pools.touch(wanted)
 
-    def region_paths(self) -> dict[int, tuple[str, int, int]]:
-        """group -> (path, slots, page bytes): what a worker process needs to attach."""
-        return {gid: (str(r.path), r.slots, r.page_bytes) for gid, r in self.regions.items()}
-
     # -- where is a page? -------------------------------------------------------------------
     def locate(self, group: int, keys: Sequence[bytes]) -> list[str | None]:
         """Tier name holding each key (RAM first), or None; secondary checks are batched."""

@@ -55,22 +55,9 @@ class SharedRegion:
         self._fd = fd
         self._map = mmap.mmap(fd, slots * page_bytes, mmap.MAP_SHARED)
         self.array = np.frombuffer(self._map, dtype=np.uint8).reshape(slots, page_bytes)
-        # A region never closed (forgotten cache, exception) still leaves no /dev/shm file
-        # behind when it is collected or the interpreter exits.
-        self._unlinker: weakref.finalize | None = None
-        self.owner = owner
-
-    @property
-    def owner(self) -> bool:
-        return self._unlinker is not None and self._unlinker.alive
-
-    @owner.setter
-    def owner(self, value: bool) -> None:
-        if self._unlinker is not None:
-            self._unlinker.detach()
-            self._unlinker = None
-        if value:
-            self._unlinker = weakref.finalize(self, _unlink_region, self.path)
+        # An owner's files are unlinked at close, or by this finalizer when a region is never
+        # closed (forgotten cache, exception) and is collected or the interpreter exits.
+        self._unlinker = weakref.finalize(self, _unlink_region, path) if owner else None
 
     @property
     def nbytes(self) -> int:
@@ -129,7 +116,8 @@ class SharedRegion:
 
     def take_ownership(self) -> None:
         """This process will unlink the file at close, whoever created it."""
-        self.owner = True
+        if self._unlinker is None:
+            self._unlinker = weakref.finalize(self, _unlink_region, self.path)
         _write_lease(self.path)
 
     def run_pin_hook(self, hook: PinHook, rank: int = 0) -> None:

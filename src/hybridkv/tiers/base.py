@@ -14,7 +14,6 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from hybridkv.core.errors import HybridKVError
 from hybridkv.core.layout import Layout
 
 ReadItem = tuple[int, bytes, np.ndarray]     # (group, key, destination page)
@@ -54,11 +53,6 @@ def register_tier(name: str, setting: str, factory: TierFactory) -> None:
     _REGISTRY[name] = (setting, factory)
 
 
-def tier_names() -> list[str]:
-    _load_builtin_tiers()
-    return list(_REGISTRY)
-
-
 def _load_builtin_tiers() -> None:
     # Importing the modules registers them; the remote tier imports redis only when opened.
     from hybridkv.tiers import filesystem, remote  # noqa: F401
@@ -70,13 +64,10 @@ def open_tiers(layout: Layout, config) -> list[SecondaryTier]:
     _load_builtin_tiers()
     tiers: list[SecondaryTier] = []
     try:
-        for name, (setting, factory) in _REGISTRY.items():
+        for setting, factory in _REGISTRY.values():
             value = getattr(config, setting, None)
             if value:
-                tier = factory(value, layout, config)
-                if tier.name != name:
-                    raise HybridKVError(f"tier registered as {name!r} calls itself {tier.name!r}")
-                tiers.append(tier)
+                tiers.append(factory(value, layout, config))
     except BaseException:
         for tier in tiers:
             tier.close()
