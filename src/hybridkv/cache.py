@@ -22,7 +22,7 @@ from hybridkv.core.errors import HybridKVError
 from hybridkv.core.layout import Layout
 from hybridkv.core.planner import Plan, plan_pools
 from hybridkv.ram.grouped_pools import GroupedPools
-from hybridkv.ram.pool import Lookup
+from hybridkv.ram.pool import Lookup, StorePlan
 from hybridkv.ram.regions import PinHook, SharedRegion, remove_stale_regions
 from hybridkv.tiers.base import SecondaryTier, open_tiers
 
@@ -189,35 +189,55 @@ class TieredCache:
         Keys already present or in flight are skipped. Completed pages are written through
         to every secondary tier in the background.
         """
-        keys = {gid: [k for k, _ in items] for gid, items in pages.items() if items}
-        if not keys:
-            return True
-        plans = self.pools.prepare_store(keys)
+        plans = self.reserve({gid: [k for k, _ in items] for gid, items in pages.items() if items})
         if plans is None:
             return False
-        ram = self.counters[RAM]
         for gid, plan in plans.items():
             data = dict(pages[gid])
             region = self.regions[gid]
             for key, slot in zip(plan.keys, plan.slots, strict=True):
                 region.write(slot, data[key])
-                ram.bytes_in += region.page_bytes
-        self.pools.complete_store({gid: plan.keys for gid, plan in plans.items()})
-        if self.secondaries:
-            jobs, items = [], []
-            for gid, plan in plans.items():
-                if not plan.keys:
-                    continue
-                slots = self.pools.prepare_load({gid: plan.keys})[gid]   # pinned until written
-                for key, slot in zip(plan.keys, slots, strict=True):
-                    jobs.append(_WriteThrough(gid, key))
-                    items.append((gid, key, self.regions[gid].page(slot)))
-            for tier in self.secondaries:
-                for job, future in zip(jobs, tier.submit_writes(items), strict=True):
-                    job.futures.append(future)
-                self.counters[tier.name].bytes_in += sum(page.nbytes for _, _, page in items)
-            self._writes.extend(jobs)
+        self.commit(plans)
         return True
+
+    def reserve(self, keys: Mapping[int, Sequence[bytes]]) -> dict[int, StorePlan] | None:
+        """Claim RAM slots for the absent keys, atomically across groups (None = retry later).
+
+        For engines that fill the slots themselves (a worker process writing into the shared
+        region); every reservation must end in ``commit``.
+        """
+        keys = {gid: list(ks) for gid, ks in keys.items() if ks}
+        if not keys:
+            return {}
+        return self.pools.prepare_store(keys)
+
+    def commit(self, plans: Mapping[int, StorePlan], ok: bool = True) -> None:
+        """The reserved slots are filled (ok) or abandoned; filled pages are written through."""
+        done = {gid: plan.keys for gid, plan in plans.items() if plan.keys}
+        if not ok:
+            self.pools.complete_store(done, False)
+            return
+        ram = self.counters[RAM]
+        for gid, keys in done.items():
+            ram.bytes_in += len(keys) * self.regions[gid].page_bytes
+        self.pools.complete_store(done)
+        if not self.secondaries or not done:
+            return
+        jobs, items = [], []
+        for gid, keys in done.items():
+            slots = self.pools.prepare_load({gid: keys})[gid]   # pinned until written
+            for key, slot in zip(keys, slots, strict=True):
+                jobs.append(_WriteThrough(gid, key))
+                items.append((gid, key, self.regions[gid].page(slot)))
+        for tier in self.secondaries:
+            for job, future in zip(jobs, tier.submit_writes(items), strict=True):
+                job.futures.append(future)
+            self.counters[tier.name].bytes_in += sum(page.nbytes for _, _, page in items)
+        self._writes.extend(jobs)
+
+    def slot(self, group: int, key: bytes) -> int:
+        """RAM slot of a resident page (pinned by ``acquire``), for engines that copy it."""
+        return self.pools.pool(group).slot_of(key)
 
     def poll(self) -> int:
         """End-of-step: unpin pages whose write-through finished; returns how many."""

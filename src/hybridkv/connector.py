@@ -33,6 +33,7 @@ class RequestState:
     stored: dict[str, int] = field(default_factory=lambda: {"attention": 0, "state": 0})
     pending: dict[tuple[str, int], dict] = field(default_factory=dict)
     max_stored_tokens: int | None = None
+    local_blocks: int = 0      # leading blocks the engine already holds itself
     loaded: dict[int, list[bytes]] | None = None
     where: dict[int, list[str | None]] = field(default_factory=dict)   # tier per (group, block)
 
@@ -61,10 +62,16 @@ class Connector:
 
     # -- lookup and load --------------------------------------------------------------------
     def begin(self, request_id: str, tokens: Sequence[int], salt: str | None = None,
-              max_stored_tokens: int | None = None) -> RequestState:
-        """Key the prompt and find its hybrid hit over every tier (one call to compute_hit)."""
-        req = RequestState(request_id, len(tokens), block_hashes(tokens, self.B, salt),
-                           max_stored_tokens=max_stored_tokens)
+              max_stored_tokens: int | None = None, extra: bytes | None = None,
+              local_tokens: int = 0) -> RequestState:
+        """Key the prompt and find its hybrid hit over every tier (one call to compute_hit).
+
+        ``extra`` (adapter id, multimodal hashes) enters every key; ``local_tokens`` is the
+        prefix the engine's own cache already holds: its token pages count as present and
+        are not loaded again.
+        """
+        req = RequestState(request_id, len(tokens), block_hashes(tokens, self.B, salt, extra),
+                           max_stored_tokens=max_stored_tokens, local_blocks=local_tokens // self.B)
         self.cache.request_started(request_id)
         req.hit = self._find_hit(req)
         self.stats["requests"] += 1
@@ -75,13 +82,15 @@ class Connector:
         cap = max(0, (req.n_tokens - 1) // self.B)
         where = {g.id: self.cache.locate(g.id, req.keys[:cap]) for g in self.groups}
         req.where = where
+        local, token_groups = req.local_blocks, set(self.token_groups)
         return compute_hit(self.groups, req.n_tokens, self.B,
-                           lambda gid, block: where[gid][block] is not None)
+                           lambda gid, block: where[gid][block] is not None
+                           or (block < local and gid in token_groups))
 
-    def _hit_blocks(self, req: RequestState) -> dict[int, range]:
+    def hit_blocks(self, req: RequestState) -> dict[int, range]:
         """Blocks the hit loads: every block for token groups, the last one's state otherwise."""
         n = req.hit.tokens // self.B
-        blocks = {gid: range(n) for gid in self.token_groups}
+        blocks = {gid: range(min(req.local_blocks, n), n) for gid in self.token_groups}
         blocks.update({gid: range(n - 1, n) for gid in self.state_groups})
         return blocks
 
@@ -91,7 +100,7 @@ class Connector:
         for _ in range(self.MAX_LOAD_ATTEMPTS):
             if req.hit.tokens == 0:
                 return None
-            blocks = self._hit_blocks(req)
+            blocks = self.hit_blocks(req)
             wanted = {gid: [req.keys[b] for b in bs] for gid, bs in blocks.items()}
             counts = {"ram": 0, "fs": 0, "remote": 0}
             for gid, bs in blocks.items():

@@ -75,6 +75,7 @@ class Layout:
     dtype: str | None = None
     tp_rank: int = 0
     tp_size: int = 1
+    engine: str | None = None      # serving engine and version when its page format matters
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def group(self, group_id: int) -> Group:
@@ -96,6 +97,7 @@ class Layout:
             "dtype": self.dtype,
             "block_tokens": self.block_tokens,
             "tp": [self.tp_rank, self.tp_size],
+            **({"engine": self.engine} if self.engine else {}),
             "groups": [
                 {
                     "id": g.id, "kind": g.kind.value, "page_bytes": g.page_bytes,
@@ -110,7 +112,7 @@ class Layout:
 
     def to_dict(self) -> dict:
         out: dict = {"model": self.model, "block_tokens": self.block_tokens}
-        for name in ("max_model_len", "revision", "dtype"):
+        for name in ("max_model_len", "revision", "dtype", "engine"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         if self.tp_size != 1 or self.tp_rank != 0:
@@ -200,12 +202,12 @@ def layout_from_dict(raw) -> Layout:
     tp_rank = raw.get("tp_rank", 0)
     if not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
         raise HybridKVError(f"layout.tp_rank must be in [0, tp_size={tp_size}), got {tp_rank!r}")
-    known = {"model", "block_tokens", "max_model_len", "revision", "dtype", "tp_rank", "tp_size", "groups"}
+    known = {"model", "block_tokens", "max_model_len", "revision", "dtype", "tp_rank", "tp_size", "engine", "groups"}
     extra = {k: v for k, v in raw.items() if k not in known}
     return Layout(
         model=model, block_tokens=block_tokens, groups=groups, max_model_len=max_len,
         revision=raw.get("revision"), dtype=raw.get("dtype"), tp_rank=tp_rank, tp_size=tp_size,
-        extra=extra,
+        engine=raw.get("engine"), extra=extra,
     )
 
 

@@ -1,0 +1,132 @@
+"""``HybridKVConnector``: hybridkv as a KV connector of stock vLLM (v1 connector API).
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "HybridKVConnector",
+      "kv_connector_module_path": "hybridkv.integrations.vllm", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"store": "/var/cache/hybridkv", "ram_bytes": "8GiB"}}'
+
+vLLM builds one instance per role; this class only dispatches to the scheduler half
+(``scheduler.py``) or the worker half (``worker.py``). Loads are synchronous: the pages are
+already in RAM (pinned when the hit was reported), so the copy is a memory copy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    SupportsHMA,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from hybridkv.integrations.vllm.scheduler import SchedulerSide
+from hybridkv.integrations.vllm.worker import WorkerSide
+
+
+class HybridKVStats(KVConnectorStats):
+    """Worker copy counters, summed over workers and shown in vLLM's metrics log."""
+
+    def reset(self):
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for k, v in other.data.items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        d = self.data
+        out = {k: v for k, v in d.items() if k.endswith(("_tokens", "_pages"))}
+        out |= {"hybridkv_load_MB": round(d.get("load_bytes", 0) / 1e6, 3),
+               "hybridkv_store_MB": round(d.get("store_bytes", 0) / 1e6, 3)}
+        for kind in ("load", "store"):
+            secs = d.get(f"{kind}_s", 0.0)
+            if secs > 0:
+                out[f"hybridkv_{kind}_GBps"] = round(d.get(f"{kind}_bytes", 0) / secs / 1e9, 3)
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.scheduler: SchedulerSide | None = None
+        self.worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = SchedulerSide(vllm_config, kv_cache_config, extra)
+        else:
+            self.worker = WorkerSide(vllm_config, kv_cache_config)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False          # a cache: a dropped store is only a later miss
+
+    # -- scheduler --------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        return self.scheduler.match(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        self.scheduler.allocated(request, blocks.get_block_ids(), num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output):
+        scheduled = {}
+        for new in scheduler_output.scheduled_new_reqs:
+            scheduled[new.req_id] = new.num_computed_tokens
+        cached = scheduler_output.scheduled_cached_reqs
+        for rid, start in zip(cached.req_ids, cached.num_computed_tokens, strict=True):
+            scheduled[rid] = start
+        counts = scheduler_output.num_scheduled_tokens
+        spans = {rid: (start, start + counts.get(rid, 0)) for rid, start in scheduled.items()}
+        manager = self._kv_cache_manager
+        return self.scheduler.plan_step(spans, lambda rid: manager.get_blocks(rid).get_block_ids())
+
+    def update_connector_output(self, connector_output):
+        self.scheduler.on_report(connector_output.kv_connector_worker_meta)
+
+    def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        self.scheduler.finish(request.request_id)
+        return False, None
+
+    def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished(request, block_ids)
+
+    # -- worker -----------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches):
+        self.worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        self.worker.load(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
+        return
+
+    def wait_for_save(self):
+        self.worker.store(self._get_connector_metadata())
+
+    def build_connector_worker_meta(self):
+        return self.worker.take_report()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_failed_blocks()
+
+    def get_kv_connector_stats(self):
+        side = self.scheduler if self.scheduler is not None else self.worker
+        counters = side.take_counters()
+        return HybridKVStats(data=counters) if any(counters.values()) else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data=None):
+        return HybridKVStats(data=dict(data or {}))
+
+    def shutdown(self):
+        if self.scheduler is not None:
+            self.scheduler.close()
+        if self.worker is not None:
+            self.worker.close()

@@ -1,0 +1,75 @@
+"""hybridkv's view of a vLLM engine: its layout and cache config from vLLM's own objects.
+
+One hybridkv group per vLLM KV-cache group, with the original group id and the real bytes of
+one block over the group's layers (padding excluded). The fingerprint carries the vLLM
+version, model, dtype, block size and TP rank/size, so any change of these misses.
+"""
+
+from __future__ import annotations
+
+import vllm
+from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
+    KVCacheConfig,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+
+from hybridkv.config import CacheConfig, load_config
+from hybridkv.core.errors import HybridKVError
+from hybridkv.core.layout import Group, GroupKind, Layout
+
+# kv_connector_extra_config keys that belong to the integration, not to CacheConfig.
+INTEGRATION_KEYS = ("stats_file",)
+
+
+def group_kind(spec, prefix_cacheable: bool) -> GroupKind:
+    if not prefix_cacheable:
+        return GroupKind.SCRATCH
+    if isinstance(spec, MambaSpec):
+        return GroupKind.STATE
+    if isinstance(spec, SlidingWindowSpec):
+        return GroupKind.SLIDING_WINDOW
+    if isinstance(spec, AttentionSpec):
+        return GroupKind.ATTENTION
+    return GroupKind.SCRATCH      # a cache type hybridkv does not know is recomputed, never guessed
+
+
+def layout_from_vllm(vllm_config, kv_cache_config: KVCacheConfig) -> Layout:
+    """Refuses, with the fix, any engine whose pages cannot line up with hybridkv's blocks."""
+    block = vllm_config.cache_config.block_size
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size * parallel.pipeline_parallel_size != 1:
+        raise HybridKVError(
+            "HybridKVConnector supports one worker (tensor_parallel_size=1, "
+            "pipeline_parallel_size=1) in this version; run one server per GPU")
+    cacheable = set(kv_cache_config.prefix_cacheable_group_ids)
+    groups = []
+    for gid, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        kind = group_kind(spec, gid in cacheable)
+        if kind is not GroupKind.SCRATCH and spec.block_size != block:
+            raise HybridKVError(
+                f"vLLM KV-cache group {gid} ({type(spec).__name__}) has block_size "
+                f"{spec.block_size} but the scheduler's is {block}; hybridkv stores states on "
+                "the scheduler's block grid, so set --block-size to a value all groups accept")
+        window = spec.sliding_window if kind is GroupKind.SLIDING_WINDOW else None
+        page = len(group.layer_names) * spec.real_page_size_bytes
+        groups.append(Group(gid, kind, page, window, tuple(group.layer_names)))
+    model = vllm_config.model_config
+    return Layout(
+        model=str(model.model), block_tokens=block, groups=tuple(groups),
+        max_model_len=model.max_model_len, revision=model.revision, dtype=str(model.dtype),
+        tp_rank=0, tp_size=1, engine=f"vllm {vllm.__version__}")
+
+
+def cache_config_from_extra(extra: dict, block_tokens: int) -> CacheConfig:
+    """``kv_connector_extra_config`` (over ``HYBRIDKV_*`` variables) as a CacheConfig whose
+    block size is vLLM's; a different ``block_tokens`` is refused rather than re-gridded."""
+    settings = {k: v for k, v in extra.items() if k not in INTEGRATION_KEYS}
+    given = settings.pop("block_tokens", None)
+    if given is not None and int(given) != block_tokens:
+        raise HybridKVError(
+            f"kv_connector_extra_config block_tokens={given} differs from vLLM's block size "
+            f"{block_tokens}; leave block_tokens out (it follows --block-size)")
+    return load_config(overrides={**settings, "block_tokens": block_tokens})

@@ -1,0 +1,57 @@
+"""What the two halves of the connector send each other every step (plain, picklable)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+
+@dataclass(frozen=True)
+class RegionInfo:
+    """Where the worker attaches a group's shared RAM region."""
+
+    path: str
+    slots: int
+    page_bytes: int
+
+
+@dataclass
+class Copy:
+    """One group's copies: ``slots[i]`` <-> vLLM block ``blocks[i]``."""
+
+    group: int
+    slots: list[int]
+    blocks: list[int]
+
+
+@dataclass
+class StepPlan(KVConnectorMetadata):
+    """Scheduler -> worker: the regions, this step's loads (per request, before the forward)
+    and stores (per reservation, after it)."""
+
+    regions: dict[int, RegionInfo]
+    loads: dict[str, list[Copy]]
+    stores: dict[int, list[Copy]]
+
+
+@dataclass
+class WorkerReport(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: which loads and stores of the step are done."""
+
+    loaded: set[str] = field(default_factory=set)
+    load_failures: set[str] = field(default_factory=set)
+    stored: set[int] = field(default_factory=set)
+    store_failures: set[int] = field(default_factory=set)
+
+    def aggregate(self, other: WorkerReport) -> WorkerReport:
+        """A store is done only when every worker did it."""
+        return WorkerReport(self.loaded | other.loaded, self.load_failures | other.load_failures,
+                            self.stored & other.stored,
+                            self.store_failures | other.store_failures | (self.stored ^ other.stored))
+
+    def __bool__(self) -> bool:
+        return bool(self.loaded or self.load_failures or self.stored or self.store_failures)

@@ -1,0 +1,231 @@
+"""The scheduler half: owns the TieredCache and decides every load and store.
+
+It runs in vLLM's engine-core process. For each request it keys the prompt, finds the hybrid
+hit over every tier and pins the hit's pages in RAM *before* reporting it (a reported hit is
+always servable). It then tells the worker, per step, which RAM slots to copy into which vLLM
+blocks (loads) and which freshly computed blocks and boundary states to copy out (stores into
+slots it reserved). The worker's report completes the stores, which then go to disk/Redis.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hybridkv.cache import TieredCache
+from hybridkv.connector import Connector, RequestState
+from hybridkv.core.errors import HybridKVError
+from hybridkv.integrations.vllm.layout import cache_config_from_extra, layout_from_vllm
+from hybridkv.integrations.vllm.messages import Copy, RegionInfo, StepPlan, WorkerReport
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Request:
+    state: RequestState
+    local_tokens: int
+    pinned: bool = False          # the hit's pages are pinned until the worker loaded them
+
+
+@dataclass
+class _Reservation:
+    request: str
+    plans: dict
+    kind: str                     # "attention" or "state"
+
+
+@dataclass
+class SchedulerStats:
+    loads: int = 0
+    load_failures: int = 0
+    loaded_tokens: int = 0
+    stores_refused: int = 0       # RAM had no free slot (everything pinned) for an offer
+    store_failures: int = 0
+    junctions_requested: int = 0
+    pages_stored: dict = field(default_factory=lambda: {"attention": 0, "state": 0})
+
+
+class SchedulerSide:
+    def __init__(self, vllm_config, kv_cache_config, extra: dict):
+        self.layout = layout_from_vllm(vllm_config, kv_cache_config)
+        self.B = self.layout.block_tokens
+        config = cache_config_from_extra(extra, self.B)
+        self.cache = TieredCache(self.layout, config)
+        self.connector = Connector(self.cache)
+        self.stats = SchedulerStats()
+        self.stats_file = Path(extra["stats_file"]) if extra.get("stats_file") else None
+        self.regions = {gid: RegionInfo(str(r.path), r.slots, r.page_bytes)
+                        for gid, r in self.cache.regions.items()}
+        self._requests: dict[str, _Request] = {}
+        self._loads: dict[str, list[Copy]] = {}
+        self._reservations: dict[int, _Reservation] = {}
+        self._next_reservation = 0
+        self._closed = False
+        self._interval = {"loaded_tokens": 0, "stored_pages": 0}   # since the last stats call
+        atexit.register(self.close)      # background writes reach disk even without shutdown()
+        log.info("hybridkv: layout %s, %d groups, RAM %d B, tiers %s", self.layout.fingerprint(),
+                 len(self.layout.groups), config.ram_bytes,
+                 [t.name for t in self.cache.secondaries] or "RAM only")
+
+    # -- lookup -----------------------------------------------------------------------------
+    def match(self, request, num_computed_tokens: int) -> int:
+        """Tokens beyond ``num_computed_tokens`` this cache restores (pinned when > 0)."""
+        rid = request.request_id
+        if rid in self._requests:         # asked again (not allocated, or preempted): start over
+            self.finish(rid)
+        tokens = request.prompt_token_ids
+        if not tokens:
+            return 0
+        salt, extra = request_identity(request)
+        state = self.connector.begin(rid, tokens, salt, extra=extra, local_tokens=num_computed_tokens)
+        ctx = self._requests[rid] = _Request(state, num_computed_tokens)
+        junction = state.hit.junction
+        if junction and not getattr(request, "shared_prefix_boundary", 1):
+            request.shared_prefix_boundary = junction     # vLLM stops a chunk there: its state is stored
+            self.stats.junctions_requested += 1
+        if state.hit.tokens <= num_computed_tokens:
+            return 0
+        if self.connector.load(state) is None:
+            return 0
+        ctx.pinned = True
+        if state.hit.tokens <= num_computed_tokens:       # the hit shrank while pinning
+            self._unpin(ctx)
+            return 0
+        return state.hit.tokens - num_computed_tokens
+
+    def allocated(self, request, block_ids: tuple[list[int], ...], num_external_tokens: int) -> None:
+        """vLLM gave the request its blocks: plan the copies of the pinned hit into them."""
+        ctx = self._requests.get(request.request_id)
+        if ctx is None or not ctx.pinned:
+            return
+        if num_external_tokens == 0:      # vLLM chose its local hit after all
+            self._unpin(ctx)
+            return
+        expected = ctx.state.hit.tokens - ctx.local_tokens
+        if num_external_tokens != expected:
+            raise HybridKVError(
+                f"vLLM accepted {num_external_tokens} external tokens for {request.request_id} "
+                f"but hybridkv pinned {expected}; this vLLM version trims hits in a way the "
+                "connector does not support")
+        copies = []
+        for gid, blocks in self.connector.hit_blocks(ctx.state).items():
+            targets = [(self.cache.slot(gid, ctx.state.keys[b]), block_ids[gid][b]) for b in blocks]
+            targets = [(slot, block) for slot, block in targets if block != 0]   # 0: vLLM's null block
+            if targets:
+                copies.append(Copy(gid, [s for s, _ in targets], [b for _, b in targets]))
+        self._loads[request.request_id] = copies
+        self.stats.loads += 1
+        self.stats.loaded_tokens += num_external_tokens
+        self._interval["loaded_tokens"] += num_external_tokens
+
+    # -- stores -----------------------------------------------------------------------------
+    def plan_step(self, scheduled: dict[str, tuple[int, int]], block_ids_of) -> StepPlan:
+        """The step's loads and stores; ``scheduled`` maps request -> (start, end) tokens."""
+        plan = StepPlan(self.regions, self._loads, {})
+        self._loads = {}
+        for rid, (start, end) in scheduled.items():
+            ctx = self._requests.get(rid)
+            if ctx is not None and end > start:
+                self._plan_stores(ctx, start, end, block_ids_of(rid), plan)
+        return plan
+
+    def _plan_stores(self, ctx: _Request, start: int, end: int, block_ids, plan: StepPlan) -> None:
+        state, conn, B = ctx.state, self.connector, self.B
+        for j in range(start // B, min(end // B, len(state.keys))):
+            if conn.wants_block(state, j) and conn.token_groups:
+                self._reserve(ctx, "attention", conn.token_groups, j, block_ids, plan)
+        if end % B == 0 and conn.wants_state(state, end):
+            self._reserve(ctx, "state", conn.state_groups, end // B - 1, block_ids, plan)
+
+    def _reserve(self, ctx: _Request, kind: str, groups: list[int], block: int, block_ids,
+                 plan: StepPlan) -> None:
+        if any(block_ids[gid][block] == 0 for gid in groups):
+            return                        # a group no longer holds this block (sliding window)
+        key = ctx.state.keys[block]
+        plans = self.cache.reserve({gid: [key] for gid in groups})
+        if plans is None:
+            self.stats.stores_refused += 1
+            return
+        copies = [Copy(gid, p.slots, [block_ids[gid][block]]) for gid, p in plans.items() if p.keys]
+        if not copies:
+            return                        # already stored
+        rid = self._next_reservation
+        self._next_reservation += 1
+        self._reservations[rid] = _Reservation(ctx.state.request_id, plans, kind)
+        plan.stores[rid] = copies
+
+    # -- worker reports ---------------------------------------------------------------------
+    def on_report(self, report: WorkerReport | None) -> None:
+        if report is not None:
+            for rid in report.stored | report.store_failures:
+                res = self._reservations.pop(rid, None)
+                if res is None:
+                    continue
+                ok = rid in report.stored and rid not in report.store_failures
+                self.cache.commit(res.plans, ok)
+                if ok:
+                    pages = sum(len(p.keys) for p in res.plans.values())
+                    self.stats.pages_stored[res.kind] += pages
+                    self._interval["stored_pages"] += pages
+                else:
+                    self.stats.store_failures += 1
+            for req in report.loaded | report.load_failures:
+                ctx = self._requests.get(req)
+                if ctx is not None and ctx.pinned:
+                    self._unpin(ctx)
+            self.stats.load_failures += len(report.load_failures)
+        self.cache.poll()
+
+    def _unpin(self, ctx: _Request) -> None:
+        self.connector.release(ctx.state)
+        ctx.pinned = False
+
+    # -- lifetimes --------------------------------------------------------------------------
+    def finish(self, request_id: str) -> None:
+        ctx = self._requests.pop(request_id, None)
+        self._loads.pop(request_id, None)
+        if ctx is not None:
+            self.connector.finish(ctx.state)
+        self.write_stats()
+
+    def take_counters(self) -> dict:
+        counters = self._interval
+        self._interval = dict.fromkeys(counters, 0)
+        return counters
+
+    def summary(self) -> dict:
+        return {"connector": dict(self.connector.stats), "vllm": vars(self.stats),
+                "cache": self.cache.stats(), "layout": self.layout.fingerprint()}
+
+    def write_stats(self) -> None:
+        if self.stats_file is not None:
+            tmp = self.stats_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.summary(), default=str))
+            tmp.replace(self.stats_file)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for rid in list(self._requests):
+            self.finish(rid)
+        self.cache.close()
+        self.write_stats()
+        atexit.unregister(self.close)
+
+
+def request_identity(request) -> tuple[str | None, bytes | None]:
+    """Salt (vLLM's ``cache_salt`` and the LoRA adapter) and extra key data (multimodal
+    inputs): prompts that differ in any of these never share a page."""
+    salt = getattr(request, "cache_salt", None) or ""
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        salt += f"|lora:{lora.lora_name}:{lora.lora_int_id}"
+    features = getattr(request, "mm_features", None) or []
+    ids = [str(getattr(f, "identifier", None) or getattr(f, "mm_hash", "")) for f in features]
+    extra = "|".join(ids).encode() if ids else None
+    return salt or None, extra

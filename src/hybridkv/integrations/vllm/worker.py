@@ -1,0 +1,97 @@
+"""The worker half: attaches the scheduler's RAM regions by path and copies pages.
+
+Loads run before the step's forward (the tokens they restore are not recomputed), stores
+after it (the blocks hold what the forward just wrote). Nothing here decides what to copy.
+A failed copy is reported, never raised into vLLM: a failed load's blocks are recomputed
+and a failed store is abandoned.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+
+from hybridkv.integrations.vllm.layout import layout_from_vllm
+from hybridkv.integrations.vllm.messages import Copy, StepPlan, WorkerReport
+from hybridkv.integrations.vllm.paged import PagedCopier
+from hybridkv.ram.regions import SharedRegion
+
+log = logging.getLogger(__name__)
+
+
+def _merge(copies: list[Copy]) -> dict[int, tuple[list[int], list[int]]]:
+    """One batch per group: a single gather/scatter per layer tensor."""
+    merged: dict[int, tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
+    for c in copies:
+        merged[c.group][0].extend(c.slots)
+        merged[c.group][1].extend(c.blocks)
+    return merged
+
+
+class WorkerSide:
+    def __init__(self, vllm_config, kv_cache_config):
+        self.layout = layout_from_vllm(vllm_config, kv_cache_config)
+        self.num_blocks = kv_cache_config.num_blocks
+        self.copier: PagedCopier | None = None
+        self.regions: dict[int, SharedRegion] = {}
+        self.report = WorkerReport()
+        self.failed_blocks: set[int] = set()
+        self.counters = {"load_bytes": 0, "store_bytes": 0, "load_s": 0.0, "store_s": 0.0}
+
+    def register(self, kv_caches: dict) -> None:
+        self.copier = PagedCopier(self.layout, kv_caches, self.num_blocks)
+
+    def _attach(self, plan: StepPlan) -> None:
+        for gid, info in plan.regions.items():
+            if gid not in self.regions:
+                self.regions[gid] = SharedRegion.attach(info.path, info.slots, info.page_bytes)
+
+    def load(self, plan: StepPlan) -> None:
+        if not plan.loads:
+            return
+        self._attach(plan)
+        t0 = time.perf_counter()
+        try:
+            for gid, (slots, blocks) in _merge([c for cs in plan.loads.values() for c in cs]).items():
+                self.copier.load(gid, self.regions[gid], slots, blocks)
+                self.counters["load_bytes"] += len(slots) * self.regions[gid].page_bytes
+            self.report.loaded |= set(plan.loads)
+        except Exception:
+            log.exception("hybridkv: load failed; vLLM recomputes those blocks")
+            self.report.load_failures |= set(plan.loads)
+            self.failed_blocks |= {b for cs in plan.loads.values() for c in cs for b in c.blocks}
+        self.counters["load_s"] += time.perf_counter() - t0
+
+    def store(self, plan: StepPlan) -> None:
+        if not plan.stores:
+            return
+        self._attach(plan)
+        t0 = time.perf_counter()
+        try:
+            for gid, (slots, blocks) in _merge([c for cs in plan.stores.values() for c in cs]).items():
+                self.copier.save(gid, self.regions[gid], blocks, slots)
+                self.counters["store_bytes"] += len(slots) * self.regions[gid].page_bytes
+            self.report.stored |= set(plan.stores)
+        except Exception:
+            log.exception("hybridkv: store failed; those pages are not cached")
+            self.report.store_failures |= set(plan.stores)
+        self.counters["store_s"] += time.perf_counter() - t0
+
+    def take_counters(self) -> dict:
+        counters = self.counters
+        self.counters = dict.fromkeys(counters, 0)
+        return counters
+
+    def take_report(self) -> WorkerReport | None:
+        report, self.report = self.report, WorkerReport()
+        return report or None
+
+    def take_failed_blocks(self) -> set[int]:
+        failed, self.failed_blocks = self.failed_blocks, set()
+        return failed
+
+    def close(self) -> None:
+        for region in self.regions.values():
+            region.close()
+        self.regions = {}

@@ -1,0 +1,62 @@
+"""Run token-id prompts through an offline vLLM engine with hybridkv; print JSON results.
+
+    python -m hybridkv.tools.vllm_run JOB.json
+
+The job names the model directory, dtype, the connector's extra config (or null for plain
+vLLM) and a list of requests run one after another. ``"reset": true`` on a request empties
+vLLM's own prefix cache first, so a repeat must come from hybridkv. One process = one
+engine: the tests and the vLLM benchmark start a fresh process to simulate a restart.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def run(job: dict) -> dict:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    kwargs = {}
+    if job.get("connector") is not None:
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="HybridKVConnector", kv_connector_module_path="hybridkv.integrations.vllm",
+            kv_role="kv_both", kv_connector_extra_config=job["connector"])
+    t0 = time.perf_counter()
+    llm = LLM(model=job["model"], dtype=job.get("dtype", "float32"), enforce_eager=True,
+              skip_tokenizer_init=True, enable_prefix_caching=True,
+              max_model_len=job.get("max_model_len", 4096),
+              max_num_batched_tokens=job.get("max_num_batched_tokens", 2048),
+              seed=0, **kwargs)
+    results = {"engine_start_s": round(time.perf_counter() - t0, 2), "requests": []}
+    for req in job["requests"]:
+        if req.get("reset"):
+            llm.reset_prefix_cache()
+        params = SamplingParams(temperature=0.0, max_tokens=req.get("max_tokens", 8), ignore_eos=True)
+        start = time.perf_counter()
+        out = llm.generate([TokensPrompt(prompt_token_ids=req["tokens"])], params, use_tqdm=False)[0]
+        results["requests"].append({"tokens": list(out.outputs[0].token_ids),
+                                    "cached": out.num_cached_tokens or 0,
+                                    "seconds": round(time.perf_counter() - start, 4)})
+    del llm
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m hybridkv.tools.vllm_run JOB.json", file=sys.stderr)
+        return 2
+    with open(argv[0]) as f:
+        job = json.load(f)
+    print("HYBRIDKV_RESULT " + json.dumps(run(job)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
