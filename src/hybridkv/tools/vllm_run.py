@@ -4,7 +4,8 @@
 
 The job names the model directory, dtype, the connector's extra config (or null for plain
 vLLM) and a list of requests run one after another. ``"reset": true`` on a request empties
-vLLM's own prefix cache first, so a repeat must come from hybridkv. One process = one
+vLLM's own prefix cache first, so a repeat must come from hybridkv; ``"salt"`` is vLLM's
+``cache_salt`` (a salted prompt shares no page with the unsalted one: a cold control). One process = one
 engine: the tests and the vLLM benchmark start a fresh process to simulate a restart.
 """
 
@@ -39,7 +40,10 @@ def run(job: dict) -> dict:
             llm.reset_prefix_cache()
         params = SamplingParams(temperature=0.0, max_tokens=req.get("max_tokens", 8), ignore_eos=True)
         start = time.perf_counter()
-        out = llm.generate([TokensPrompt(prompt_token_ids=req["tokens"])], params, use_tqdm=False)[0]
+        prompt = TokensPrompt(prompt_token_ids=req["tokens"])
+        if req.get("salt"):
+            prompt["cache_salt"] = req["salt"]
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
         results["requests"].append({"tokens": list(out.outputs[0].token_ids),
                                     "cached": out.num_cached_tokens or 0,
                                     "seconds": round(time.perf_counter() - start, 4)})

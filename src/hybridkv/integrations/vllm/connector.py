@@ -5,8 +5,9 @@
       "kv_connector_extra_config": {"store": "/var/cache/hybridkv", "ram_bytes": "8GiB"}}'
 
 vLLM builds one instance per role; this class only dispatches to the scheduler half
-(``scheduler.py``) or the worker half (``worker.py``). Loads are synchronous: the pages are
-already in RAM (pinned when the hit was reported), so the copy is a memory copy.
+(``scheduler.py``) or the worker half (``worker.py``). The pages of a reported hit are
+already in RAM (pinned when the hit was reported), so a load is a memory copy that completes
+in the next step; it is asynchronous only so that it happens before vLLM prepares the request.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     # -- scheduler --------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
-        return self.scheduler.match(request, num_computed_tokens), False
+        tokens = self.scheduler.match(request, num_computed_tokens)
+        return tokens, tokens > 0
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         self.scheduler.allocated(request, blocks.get_block_ids(), num_external_tokens)
@@ -109,6 +111,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_save(self):
         self.worker.store(self._get_connector_metadata())
+
+    def get_finished(self, finished_req_ids):
+        return None, (self.worker.take_finished_loads() or None)
 
     def build_connector_worker_meta(self):
         return self.worker.take_report()

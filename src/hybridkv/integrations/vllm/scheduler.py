@@ -12,12 +12,14 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybridkv.cache import TieredCache
 from hybridkv.connector import Connector, RequestState
 from hybridkv.core.errors import HybridKVError
+from hybridkv.core.retention import replay_boundary
 from hybridkv.integrations.vllm.layout import cache_config_from_extra, layout_from_vllm
 from hybridkv.integrations.vllm.messages import Copy, RegionInfo, StepPlan, WorkerReport
 
@@ -29,6 +31,7 @@ class _Request:
     state: RequestState
     local_tokens: int
     pinned: bool = False          # the hit's pages are pinned until the worker loaded them
+    loaded_tokens: int = 0
 
 
 @dataclass
@@ -65,6 +68,7 @@ class SchedulerSide:
         self._reservations: dict[int, _Reservation] = {}
         self._next_reservation = 0
         self._closed = False
+        self.history: deque[dict] = deque(maxlen=256)     # the last finished requests, for operators
         self._interval = {"loaded_tokens": 0, "stored_pages": 0}   # since the last stats call
         atexit.register(self.close)      # background writes reach disk even without shutdown()
         log.info("hybridkv: layout %s, %d groups, RAM %d B, tiers %s", self.layout.fingerprint(),
@@ -83,10 +87,7 @@ class SchedulerSide:
         salt, extra = request_identity(request)
         state = self.connector.begin(rid, tokens, salt, extra=extra, local_tokens=num_computed_tokens)
         ctx = self._requests[rid] = _Request(state, num_computed_tokens)
-        junction = state.hit.junction
-        if junction and not getattr(request, "shared_prefix_boundary", 1):
-            request.shared_prefix_boundary = junction     # vLLM stops a chunk there: its state is stored
-            self.stats.junctions_requested += 1
+        self._ask_for_state(request, state)
         if state.hit.tokens <= num_computed_tokens:
             return 0
         if self.connector.load(state) is None:
@@ -96,6 +97,19 @@ class SchedulerSide:
             self._unpin(ctx)
             return 0
         return state.hit.tokens - num_computed_tokens
+
+    def _ask_for_state(self, request, state: RequestState) -> None:
+        """vLLM materializes a recurrent state only where a chunk ends. Its own stops need not
+        fall on this cache's kept boundaries (its tail stop follows the hash block size), so
+        ask it to stop at the junction, or else at the replay boundary when that is missing.
+        vLLM offers one such stop per request (``shared_prefix_boundary``)."""
+        if not self.connector.state_groups or getattr(request, "shared_prefix_boundary", 1):
+            return
+        replay = replay_boundary(state.n_tokens, self.B)
+        target = state.hit.junction or (replay if state.hit.tokens < replay else 0)
+        if target:
+            request.shared_prefix_boundary = target
+            self.stats.junctions_requested += bool(state.hit.junction)
 
     def allocated(self, request, block_ids: tuple[list[int], ...], num_external_tokens: int) -> None:
         """vLLM gave the request its blocks: plan the copies of the pinned hit into them."""
@@ -118,6 +132,7 @@ class SchedulerSide:
             if targets:
                 copies.append(Copy(gid, [s for s, _ in targets], [b for _, b in targets]))
         self._loads[request.request_id] = copies
+        ctx.loaded_tokens = num_external_tokens
         self.stats.loads += 1
         self.stats.loaded_tokens += num_external_tokens
         self._interval["loaded_tokens"] += num_external_tokens
@@ -170,6 +185,9 @@ class SchedulerSide:
                 if ok:
                     pages = sum(len(p.keys) for p in res.plans.values())
                     self.stats.pages_stored[res.kind] += pages
+                    owner = self._requests.get(res.request)
+                    if owner is not None:
+                        owner.state.stored[res.kind] += pages
                     self._interval["stored_pages"] += pages
                 else:
                     self.stats.store_failures += 1
@@ -189,6 +207,10 @@ class SchedulerSide:
         ctx = self._requests.pop(request_id, None)
         self._loads.pop(request_id, None)
         if ctx is not None:
+            self.history.append({"request": request_id, "prompt_tokens": ctx.state.n_tokens,
+                                 "local_tokens": ctx.local_tokens, "loaded_tokens": ctx.loaded_tokens,
+                                 "sources": dict(ctx.state.sources) if ctx.loaded_tokens else {},
+                                 "stored": dict(ctx.state.stored)})
             self.connector.finish(ctx.state)
         self.write_stats()
 
@@ -199,6 +221,7 @@ class SchedulerSide:
 
     def summary(self) -> dict:
         return {"connector": dict(self.connector.stats), "vllm": vars(self.stats),
+                "requests": list(self.history),
                 "cache": self.cache.stats(), "layout": self.layout.fingerprint()}
 
     def write_stats(self) -> None:

@@ -1,7 +1,9 @@
 """The worker half: attaches the scheduler's RAM regions by path and copies pages.
 
-Loads run before the step's forward (the tokens they restore are not recomputed), stores
-after it (the blocks hold what the forward just wrote). Nothing here decides what to copy.
+Loads are asynchronous in vLLM's sense: they run in a step in which the request is not
+scheduled, and the request runs once ``get_finished`` reported it, so vLLM's own Mamba
+bookkeeping (which copies the state of the hit's block forward before each step) sees the
+loaded state. Stores run after the forward (the blocks hold what it just wrote). Nothing here decides what to copy.
 A failed copy is reported, never raised into vLLM: a failed load's blocks are recomputed
 and a failed store is abandoned.
 """
@@ -37,10 +39,14 @@ class WorkerSide:
         self.regions: dict[int, SharedRegion] = {}
         self.report = WorkerReport()
         self.failed_blocks: set[int] = set()
+        self.finished_loads: set[str] = set()
         self.counters = {"load_bytes": 0, "store_bytes": 0, "load_s": 0.0, "store_s": 0.0}
 
     def register(self, kv_caches: dict) -> None:
         self.copier = PagedCopier(self.layout, kv_caches, self.num_blocks)
+        for gid, parts in self.copier.parts.items():
+            log.debug("hybridkv: group %d page = %s", gid,
+                      [(tuple(p.tensor.shape), str(p.tensor.dtype), p.block_dim, p.nbytes) for p in parts])
 
     def _attach(self, plan: StepPlan) -> None:
         for gid, info in plan.regions.items():
@@ -61,6 +67,7 @@ class WorkerSide:
             log.exception("hybridkv: load failed; vLLM recomputes those blocks")
             self.report.load_failures |= set(plan.loads)
             self.failed_blocks |= {b for cs in plan.loads.values() for c in cs for b in c.blocks}
+        self.finished_loads |= set(plan.loads)
         self.counters["load_s"] += time.perf_counter() - t0
 
     def store(self, plan: StepPlan) -> None:
@@ -86,6 +93,10 @@ class WorkerSide:
     def take_report(self) -> WorkerReport | None:
         report, self.report = self.report, WorkerReport()
         return report or None
+
+    def take_finished_loads(self) -> set[str]:
+        done, self.finished_loads = self.finished_loads, set()
+        return done
 
     def take_failed_blocks(self) -> set[int]:
         failed, self.failed_blocks = self.failed_blocks, set()
