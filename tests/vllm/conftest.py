@@ -1,60 +1,12 @@
-"""Helpers of the vLLM tests: tiny checkpoints and one engine per child process.
-
-These tests run in the vLLM virtual environment (``.venv-vllm``, see scripts/setup.sh), which
-``scripts/test.sh`` runs after the main suite.
-"""
-
-import json
-import os
-import random
-import subprocess
-import sys
-from pathlib import Path
+"""Fixtures of the vLLM tests, which run in the vLLM virtual environment (``.venv-vllm``,
+made by scripts/setup.sh); ``scripts/test.sh`` runs them after the main suite."""
 
 import pytest
 
-from hybridkv.core.keys import block_hashes
-from hybridkv.integrations.vllm.tiny_models import dtype_of, save_tiny_checkpoint
-
-ENGINE_TIMEOUT_S = 600
+from hybridkv.integrations.vllm.tiny_models import save_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("checkpoints")
     return lambda family: save_tiny_checkpoint(family, root / family)
-
-
-def tokens(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 512) for _ in range(n)]
-
-
-def run_engine(model_dir: Path, family: str, connector: dict | None, requests: list[dict],
-               workdir: Path, name: str) -> dict:
-    """One fresh vLLM engine process; returns its results and the connector's stats file."""
-    stats = workdir / f"{name}-stats.json"
-    if connector is not None:
-        connector = {**connector, "stats_file": str(stats)}
-    job = {"model": str(model_dir), "dtype": dtype_of(family), "connector": connector,
-           "requests": requests, "max_tokens": 8}
-    path = workdir / f"{name}-job.json"
-    path.write_text(json.dumps(job))
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    proc = subprocess.run([sys.executable, "-m", "hybridkv.tools.vllm_run", str(path)],
-                          capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S, env=env)
-    (workdir / f"{name}.log").write_text(proc.stdout + proc.stderr)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("HYBRIDKV_RESULT ")), None)
-    assert proc.returncode == 0 and line, f"engine {name} failed:\n{proc.stderr[-4000:]}"
-    result = json.loads(line.split(" ", 1)[1])
-    result["stats"] = json.loads(stats.read_text()) if connector is not None else None
-    return result
-
-
-def page_file(store: Path, group: int, key: bytes) -> Path:
-    (layout_dir,) = [p for p in store.iterdir() if p.is_dir()]
-    return layout_dir / f"g{group}" / key.hex()[:2] / f"{key.hex()}.blk"
-
-
-def keys_of(prompt: list[int], block_tokens: int) -> list[bytes]:
-    return block_hashes(prompt, block_tokens)

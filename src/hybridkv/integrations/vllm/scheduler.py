@@ -222,7 +222,8 @@ class SchedulerSide:
     def summary(self) -> dict:
         return {"connector": dict(self.connector.stats), "vllm": vars(self.stats),
                 "requests": list(self.history),
-                "cache": self.cache.stats(), "layout": self.layout.fingerprint()}
+                "cache": self.cache.stats(), "layout": self.layout.fingerprint(),
+                "block_tokens": self.B}
 
     def write_stats(self) -> None:
         if self.stats_file is not None:
@@ -236,8 +237,9 @@ class SchedulerSide:
         self._closed = True
         for rid in list(self._requests):
             self.finish(rid)
+        self.cache.drain()
+        self.write_stats()          # before close: closed tiers report nothing
         self.cache.close()
-        self.write_stats()
         atexit.unregister(self.close)
 
 

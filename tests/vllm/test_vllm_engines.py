@@ -1,0 +1,115 @@
+"""Stock vLLM with HybridKVConnector, one family at a time, in real engine processes.
+
+Engine A serves a prompt cold, repeats it from RAM (vLLM's own prefix cache emptied first),
+serves a sibling that shares a prefix (hybridkv stores the junction state) and a third
+prompt that hits at that junction. Engine B is a new process on the same store with a small
+RAM budget: it restores the prompt from disk (from Redis for the Llama run, which gets a
+store of its own), then other prompts push it out of RAM while a recent one still hits.
+Every restore is compared with a cold run of the same tokens.
+"""
+
+import pytest
+
+from engines import keys_of, page_file, run_engine, tokens
+
+FAMILIES = ["llama", "lfm2", "qwen3_next", "granite_h"]
+HYBRID = ["lfm2", "qwen3_next", "granite_h"]
+P, R = tokens(1, 2048), tokens(9, 2048)
+SIBLING, THIRD = P[:1100] + tokens(2, 948), P[:1100] + tokens(3, 948)
+PRESSURE = [tokens(10 + i, 2048) for i in range(3)]
+_runs: dict[str, dict] = {}
+
+
+def replay(n: int, B: int) -> int:
+    return (n - 1) // B * B
+
+
+@pytest.fixture(scope="module")
+def runs(checkpoints, tmp_path_factory, redis_server):
+    """Runs A and B of a family once (the engines are the expensive part)."""
+    def get(family: str) -> dict:
+        if family not in _runs:
+            work = tmp_path_factory.mktemp(family)
+            model = checkpoints(family)
+            store = work / "store"
+            store.mkdir()
+            remote = {"remote": redis_server.url, "remote_prefix": f"t-{family}"} if family == "llama" else {}
+            a = run_engine(model, family, {"store": str(store), "ram_bytes": "64MiB", **remote}, [
+                {"tokens": P}, {"tokens": P, "reset": True},
+                {"tokens": SIBLING, "reset": True}, {"tokens": THIRD, "reset": True},
+                {"tokens": THIRD, "reset": True, "salt": "cold"}, {"tokens": R, "reset": True},
+            ], work, "A")
+            B = a["stats"]["block_tokens"]
+            # A foreign byte in R's stored state at its replay boundary: B must miss it.
+            if family in HYBRID:
+                state_group = 0
+                bad = page_file(store, state_group, keys_of(R, B)[replay(len(R), B) // B - 1])
+                raw = bytearray(bad.read_bytes())
+                raw[len(raw) // 2] ^= 0xFF
+                bad.write_bytes(bytes(raw))
+            b_store = work / "store-b" if family == "llama" else store
+            b_store.mkdir(exist_ok=True)
+            b = run_engine(model, family, {"store": str(b_store), "ram_bytes": "4MiB", **remote}, [
+                {"tokens": P}, {"tokens": R, "reset": True},
+                *({"tokens": q, "reset": True} for q in PRESSURE),
+                {"tokens": PRESSURE[-1], "reset": True}, {"tokens": P, "reset": True},
+            ], work, "B")
+            _runs[family] = {"A": a, "B": b, "block_tokens": B}
+        return _runs[family]
+    return get
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_repeat_restores_from_ram_with_identical_tokens(runs, family):
+    r = runs(family)
+    cold, warm = r["A"]["requests"][0], r["A"]["requests"][1]
+    assert cold["cached"] == 0
+    assert warm["cached"] >= replay(len(P), r["block_tokens"]) - r["block_tokens"]
+    assert warm["tokens"] == cold["tokens"]
+    assert r["A"]["stats"]["requests"][1]["sources"]["ram"] > 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_new_process_restores_from_the_store(runs, family):
+    r = runs(family)
+    restored = r["B"]["requests"][0]
+    assert restored["cached"] >= replay(len(P), r["block_tokens"]) - r["block_tokens"]
+    assert restored["tokens"] == r["A"]["requests"][0]["tokens"]
+    tier = "remote" if family == "llama" else "fs"
+    assert r["B"]["stats"]["requests"][0]["sources"][tier] > 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_third_request_hits_at_the_sibling_junction(runs, family):
+    r = runs(family)
+    B = r["block_tokens"]
+    junction = 1100 // B * B
+    sibling, third, cold_third = r["A"]["requests"][2:5]
+    if family in HYBRID:
+        assert sibling["cached"] == 0          # P's only state is at P's replay boundary
+        assert r["A"]["stats"]["requests"][2]["stored"]["state"] > 0
+    assert third["cached"] >= junction > 0
+    assert cold_third["cached"] == 0
+    assert third["tokens"] == cold_third["tokens"]
+
+
+@pytest.mark.parametrize("family", HYBRID)
+def test_corrupt_page_is_a_miss_not_wrong_tokens(runs, family):
+    r = runs(family)
+    restored = r["B"]["requests"][1]
+    assert restored["cached"] < replay(len(R), r["block_tokens"])
+    assert restored["tokens"] == r["A"]["requests"][5]["tokens"]
+    assert r["B"]["stats"]["cache"]["tiers"]["fs"].get("corrupt", 0) >= 1
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_ram_pressure_evicts_old_prefixes_and_keeps_the_recent_one(runs, family):
+    r = runs(family)
+    history = r["B"]["stats"]["requests"]
+    recent, old = history[-2], history[-1]
+    assert sum(g["evictions"] for g in r["B"]["stats"]["cache"]["groups"].values()) > 0
+    assert recent["loaded_tokens"] > 0 and set(recent["sources"]) >= {"ram"}
+    assert recent["sources"]["ram"] > 0 and recent["sources"]["fs"] + recent["sources"]["remote"] == 0
+    tier = "remote" if family == "llama" else "fs"
+    assert old["loaded_tokens"] > 0 and old["sources"][tier] > 0
+    assert r["B"]["requests"][-1]["tokens"] == r["A"]["requests"][0]["tokens"]
