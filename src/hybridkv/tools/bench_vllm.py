@@ -1,0 +1,144 @@
+"""TTFT through stock vLLM: cold vs hybridkv RAM vs hybridkv disk (new process), against the
+ceilings measured in the same run: vLLM without a connector (cold) and vLLM's own prefix
+cache (a repeat in the same engine), and vLLM's native OffloadingConnector where it runs.
+
+    .venv-vllm/bin/python -m hybridkv.tools.bench_vllm [--families lfm2,qwen3_next] [--out F]
+
+TTFT is the wall time of a one-token generate call (scheduling, prefill and the first
+sample); every figure is the median of ``--reps`` distinct prompts. Prints a markdown table
+and writes the raw figures as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from hybridkv.integrations.vllm.tiny_models import dtype_of, save_tiny_checkpoint
+
+LENGTHS = (2048, 4096, 8192)
+MAX_MODEL_LEN = 8448
+
+
+def _prompts(length: int, reps: int) -> list[list[int]]:
+    import random
+
+    return [[random.Random(length * 100 + i).randrange(3, 512) for _ in range(length)]
+            for i in range(reps)]
+
+
+def _engine(work: Path, name: str, model: Path, family: str, connector, requests) -> dict:
+    job = {"model": str(model), "dtype": dtype_of(family), "connector": connector,
+           "requests": requests, "max_model_len": MAX_MODEL_LEN}
+    path = work / f"{name}.json"
+    path.write_text(json.dumps(job))
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "hybridkv.tools.vllm_run", str(path)],
+                          capture_output=True, text=True, timeout=900)
+    (work / f"{name}.log").write_text(proc.stdout + proc.stderr)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("HYBRIDKV_RESULT ")), None)
+    if proc.returncode != 0 or line is None:
+        errors = [ln for ln in proc.stderr.splitlines() if "Error" in ln or "error" in ln]
+        return {"error": (errors[-1] if errors else proc.stderr[-300:]).strip()[-300:]}
+    out = json.loads(line.split(" ", 1)[1])
+    out["wall_s"] = round(time.perf_counter() - t0, 1)
+    return out
+
+
+def _medians(requests: list[dict], start: int, count: int) -> dict:
+    chosen = requests[start:start + count]
+    return {"ttft_s": statistics.median(r["seconds"] for r in chosen),
+            "cached": statistics.median(r["cached"] for r in chosen)}
+
+
+def bench_family(family: str, work: Path, reps: int) -> dict:
+    model = save_tiny_checkpoint(family, work / "models" / family)
+    prompts = {n: _prompts(n, reps) for n in LENGTHS}
+    flat = [p for n in LENGTHS for p in prompts[n]]
+    one = {"max_tokens": 1}
+    connector = {"store": str(work / f"store-{family}"), "ram_bytes": "1GiB"}
+    Path(connector["store"]).mkdir(parents=True, exist_ok=True)
+    # A: cold (hybridkv stores), then each repeat after emptying vLLM's cache: hybridkv RAM.
+    a = _engine(work, f"{family}-A", model, family, connector,
+                [{"tokens": p, **one} for p in flat] + [{"tokens": p, "reset": True, **one} for p in flat])
+    # B: a new process on the same store: restore from disk.
+    b = _engine(work, f"{family}-B", model, family, connector, [{"tokens": p, **one} for p in flat])
+    # C: stock vLLM: cold, then the repeat from its own prefix cache (the best case).
+    c = _engine(work, f"{family}-C", model, family, None,
+                [{"tokens": p, **one} for p in flat] + [{"tokens": p, **one} for p in flat])
+    rows = []
+    for i, n in enumerate(LENGTHS):
+        k, total = i * reps, len(flat)
+        row = {"tokens": n}
+        for label, run, start in (("vllm_cold", c, k), ("vllm_local", c, total + k),
+                                  ("hybridkv_cold", a, k), ("hybridkv_ram", a, total + k),
+                                  ("hybridkv_disk", b, k)):
+            row[label] = _medians(run["requests"], start, reps) if "requests" in run else None
+        rows.append(row)
+    return {"family": family, "rows": rows,
+            "errors": {k: r["error"] for k, r in (("A", a), ("B", b), ("C", c)) if "error" in r}}
+
+
+def offloading_probe(work: Path) -> str:
+    """vLLM's own CPU offload on this build: the outcome, in one line."""
+    from vllm.config import KVTransferConfig  # noqa: F401  (fail here if vLLM is missing)
+
+    model = save_tiny_checkpoint("llama", work / "models" / "llama")
+    script = (
+        "from vllm import LLM; from vllm.config import KVTransferConfig\n"
+        f"LLM(model={str(model)!r}, enforce_eager=True, skip_tokenizer_init=True, max_model_len=4096,"
+        " kv_transfer_config=KVTransferConfig(kv_connector='OffloadingConnector', kv_role='kv_both',"
+        " kv_connector_extra_config={'cpu_bytes_to_use': 1 << 30}))\nprint('OFFLOADING_STARTED')\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    if "OFFLOADING_STARTED" in proc.stdout:
+        return "started"
+    lines = [ln for ln in proc.stderr.splitlines() if "Error" in ln]
+    return (lines[-1] if lines else proc.stderr[-200:]).split("] ")[-1].strip()
+
+
+def table(results: dict) -> str:
+    lines = ["| family | prompt | vLLM cold | vLLM own prefix cache | hybridkv cold | hybridkv RAM "
+             "| hybridkv disk (new process) | speed-up RAM / disk vs cold |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def cell(x):
+        return "-" if x is None else f"{x['ttft_s'] * 1000:.0f} ms ({x['cached']:.0f} cached)"
+
+    for fam in results["families"]:
+        for r in fam["rows"]:
+            cold, ram, disk = r["vllm_cold"], r["hybridkv_ram"], r["hybridkv_disk"]
+            speed = (f"{cold['ttft_s'] / ram['ttft_s']:.1f}x / {cold['ttft_s'] / disk['ttft_s']:.1f}x"
+                     if cold and ram and disk else "-")
+            lines.append(f"| {fam['family']} | {r['tokens']:,} | {cell(cold)} | {cell(r['vllm_local'])} | "
+                         f"{cell(r['hybridkv_cold'])} | {cell(ram)} | {cell(disk)} | {speed} |")
+    lines.append(f"\nvLLM's OffloadingConnector on this build: {results['offloading']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hybridkv.tools.bench_vllm")
+    ap.add_argument("--families", default="lfm2,qwen3_next")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", default="docs/bench_vllm.json")
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="hybridkv-bench-vllm-") as tmp:
+        work = Path(tmp)
+        results = {"families": [], "reps": args.reps}
+        for family in args.families.split(","):
+            print(f"bench_vllm: {family} (three engine processes)", file=sys.stderr, flush=True)
+            results["families"].append(bench_family(family, work, args.reps))
+        print("bench_vllm: probing vLLM's OffloadingConnector", file=sys.stderr, flush=True)
+        results["offloading"] = offloading_probe(work)
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
