@@ -87,3 +87,13 @@ def test_fingerprint_ignores_unrelated_extra_fields(seed_layout_dict):
     before = layout_from_dict(seed_layout_dict).fingerprint()
     seed_layout_dict["comment"] = "notes do not change the bytes"
     assert layout_from_dict(seed_layout_dict).fingerprint() == before
+
+
+def test_engine_version_enters_the_fingerprint_and_round_trips():
+    from hybridkv.core.layout import Group, Layout
+
+    groups = (Group(0, "attention", 4096), Group(1, "state", 8192))
+    plain = Layout("m", 16, groups)
+    a, b = Layout("m", 16, groups, engine="vllm 0.32.0"), Layout("m", 16, groups, engine="vllm 0.33.0")
+    assert len({plain.fingerprint(), a.fingerprint(), b.fingerprint()}) == 3
+    assert layout_from_dict(a.to_dict()).fingerprint() == a.fingerprint()

@@ -243,6 +243,37 @@ def test_write_through_pins_until_written_then_promotes_after_restart(tmp_path):
         assert cache.stats()["tiers"]["fs"]["hits"] == 2
 
 
+def test_reserved_slots_filled_by_another_process_are_served_only_after_commit(tmp_path):
+    """The vLLM worker's path: reserve, fill the shared slot from another process, commit."""
+    config = CacheConfig(block_tokens=16, ram_bytes=1024**2, store=str(tmp_path / "kv"))
+    with TieredCache(LAYOUT, config) as cache:
+        plans = cache.reserve({1: [key(7)]})
+        assert cache.pools.pool(1).lookup(key(7)).value == "hit_pending"
+        assert cache.acquire({1: [key(7)]}) is None            # never served half-written
+        region = cache.regions[1]
+        attached = SharedRegion.attach(region.path, region.slots, region.page_bytes)
+        attached.write(plans[1].slots[0], page(1, 7))
+        attached.close()
+        cache.commit(plans)
+        again = cache.reserve({1: [key(7)]})
+        assert again is not None and not again[1].keys          # present now: nothing to reserve
+        views = cache.acquire({1: [key(7)]})
+        assert np.array_equal(views[1][0], page(1, 7))
+        cache.release({1: [key(7)]})
+        cache.drain()
+    with TieredCache(LAYOUT, config) as cache:                   # written through to disk
+        assert cache.locate(1, [key(7)]) == ["fs"]
+
+
+def test_abandoned_reservation_leaves_no_page(tmp_path):
+    config = CacheConfig(block_tokens=16, ram_bytes=1024**2)
+    with TieredCache(LAYOUT, config) as cache:
+        plans = cache.reserve({0: [key(8)], 1: [key(8)]})
+        cache.commit(plans, ok=False)
+        assert cache.locate(0, [key(8)]) == [None] and cache.locate(1, [key(8)]) == [None]
+        assert cache.store({0: [(key(8), page(0, 8))], 1: [(key(8), page(1, 8))]})
+
+
 def test_corrupt_secondary_page_fails_acquire_and_is_not_served(tmp_path):
     config = CacheConfig(block_tokens=16, ram_bytes=1024**2, store=str(tmp_path))
     with TieredCache(LAYOUT, config) as cache:
