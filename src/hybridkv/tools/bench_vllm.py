@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -21,9 +22,10 @@ import time
 from pathlib import Path
 
 from hybridkv.integrations.vllm.tiny_models import dtype_of, save_tiny_checkpoint
+from hybridkv.tools.bench_report import vllm_table
 
-LENGTHS = (2048, 4096, 8192)
-MAX_MODEL_LEN = 8448
+LENGTHS = (2048, 4096, 8000)
+MAX_MODEL_LEN = 8192          # the tiny models' max_position_embeddings
 
 
 def _prompts(length: int, reps: int) -> list[list[int]]:
@@ -44,8 +46,7 @@ def _engine(work: Path, name: str, model: Path, family: str, connector, requests
     (work / f"{name}.log").write_text(proc.stdout + proc.stderr)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("HYBRIDKV_RESULT ")), None)
     if proc.returncode != 0 or line is None:
-        errors = [ln for ln in proc.stderr.splitlines() if "Error" in ln or "error" in ln]
-        return {"error": (errors[-1] if errors else proc.stderr[-300:]).strip()[-300:]}
+        return {"error": root_cause(proc.stderr)}
     out = json.loads(line.split(" ", 1)[1])
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     return out
@@ -95,30 +96,19 @@ def offloading_probe(work: Path) -> str:
         f"LLM(model={str(model)!r}, enforce_eager=True, skip_tokenizer_init=True, max_model_len=4096,"
         " kv_transfer_config=KVTransferConfig(kv_connector='OffloadingConnector', kv_role='kv_both',"
         " kv_connector_extra_config={'cpu_bytes_to_use': 1 << 30}))\nprint('OFFLOADING_STARTED')\n")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=600, env=env)
     if "OFFLOADING_STARTED" in proc.stdout:
         return "started"
-    lines = [ln for ln in proc.stderr.splitlines() if "Error" in ln]
-    return (lines[-1] if lines else proc.stderr[-200:]).split("] ")[-1].strip()
+    return root_cause(proc.stderr)
 
 
-def table(results: dict) -> str:
-    lines = ["| family | prompt | vLLM cold | vLLM own prefix cache | hybridkv cold | hybridkv RAM "
-             "| hybridkv disk (new process) | speed-up RAM / disk vs cold |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
-
-    def cell(x):
-        return "-" if x is None else f"{x['ttft_s'] * 1000:.0f} ms ({x['cached']:.0f} cached)"
-
-    for fam in results["families"]:
-        for r in fam["rows"]:
-            cold, ram, disk = r["vllm_cold"], r["hybridkv_ram"], r["hybridkv_disk"]
-            speed = (f"{cold['ttft_s'] / ram['ttft_s']:.1f}x / {cold['ttft_s'] / disk['ttft_s']:.1f}x"
-                     if cold and ram and disk else "-")
-            lines.append(f"| {fam['family']} | {r['tokens']:,} | {cell(cold)} | {cell(r['vllm_local'])} | "
-                         f"{cell(r['hybridkv_cold'])} | {cell(ram)} | {cell(disk)} | {speed} |")
-    lines.append(f"\nvLLM's OffloadingConnector on this build: {results['offloading']}")
-    return "\n".join(lines)
+def root_cause(stderr: str) -> str:
+    """The last error line of a failed engine that is not vLLM's generic wrapper."""
+    generic = ("Engine core initialization failed", "errors.pydantic.dev")
+    lines = [ln for ln in stderr.splitlines() if "Error: " in ln and not any(g in ln for g in generic)]
+    return (lines[-1] if lines else stderr[-200:]).split("] ")[-1].strip()[-300:]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_vllm: probing vLLM's OffloadingConnector", file=sys.stderr, flush=True)
         results["offloading"] = offloading_probe(work)
     Path(args.out).write_text(json.dumps(results, indent=1))
-    print(table(results))
+    print(vllm_table(results))
     return 0
 
 

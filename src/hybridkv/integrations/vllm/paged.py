@@ -61,7 +61,7 @@ class PagedCopier:
                     f"says {group.page_bytes} B; this model's cache layout is not supported")
             self.parts[group.id] = parts
 
-    def save(self, group: int, region: SharedRegion, blocks: Sequence[int], slots: Sequence[int]) -> None:
+    def save(self, group: int, region: SharedRegion, slots: Sequence[int], blocks: Sequence[int]) -> None:
         """vLLM blocks -> RAM slots (after the forward that computed them)."""
         ram = torch.from_numpy(region.array)
         ids, where = torch.tensor(blocks, dtype=torch.long), torch.tensor(slots, dtype=torch.long)

@@ -56,34 +56,33 @@ class WorkerSide:
     def load(self, plan: StepPlan) -> None:
         if not plan.loads:
             return
-        self._attach(plan)
-        t0 = time.perf_counter()
-        try:
-            for gid, (slots, blocks) in _merge([c for cs in plan.loads.values() for c in cs]).items():
-                self.copier.load(gid, self.regions[gid], slots, blocks)
-                self.counters["load_bytes"] += len(slots) * self.regions[gid].page_bytes
-            self.report.loaded |= set(plan.loads)
-        except Exception:
-            log.exception("hybridkv: load failed; vLLM recomputes those blocks")
-            self.report.load_failures |= set(plan.loads)
+        requests = set(plan.loads)
+        if self._copy("load", plan, plan.loads, self.copier.load):
+            self.report.loaded |= requests
+        else:               # vLLM recomputes these blocks
+            self.report.load_failures |= requests
             self.failed_blocks |= {b for cs in plan.loads.values() for c in cs for b in c.blocks}
-        self.finished_loads |= set(plan.loads)
-        self.counters["load_s"] += time.perf_counter() - t0
+        self.finished_loads |= requests
 
     def store(self, plan: StepPlan) -> None:
         if not plan.stores:
             return
+        ok = self._copy("store", plan, plan.stores, self.copier.save)
+        (self.report.stored if ok else self.report.store_failures).update(plan.stores)
+
+    def _copy(self, kind: str, plan: StepPlan, batches: dict, copy) -> bool:
         self._attach(plan)
         t0 = time.perf_counter()
         try:
-            for gid, (slots, blocks) in _merge([c for cs in plan.stores.values() for c in cs]).items():
-                self.copier.save(gid, self.regions[gid], blocks, slots)
-                self.counters["store_bytes"] += len(slots) * self.regions[gid].page_bytes
-            self.report.stored |= set(plan.stores)
+            for gid, (slots, blocks) in _merge([c for cs in batches.values() for c in cs]).items():
+                copy(gid, self.regions[gid], slots, blocks)
+                self.counters[f"{kind}_bytes"] += len(slots) * self.regions[gid].page_bytes
+            return True
         except Exception:
-            log.exception("hybridkv: store failed; those pages are not cached")
-            self.report.store_failures |= set(plan.stores)
-        self.counters["store_s"] += time.perf_counter() - t0
+            log.exception("hybridkv: %s failed; those pages are recomputed or not cached", kind)
+            return False
+        finally:
+            self.counters[f"{kind}_s"] += time.perf_counter() - t0
 
     def take_counters(self) -> dict:
         counters = self.counters
