@@ -1,0 +1,57 @@
+"""The layout hybridkv derives from vLLM's own objects, and what it refuses at start-up."""
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+import vllm
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
+
+from hybridkv.core.errors import HybridKVError
+from hybridkv.core.layout import GroupKind
+from hybridkv.integrations.vllm.layout import cache_config_from_extra, layout_from_vllm
+
+
+def engine(block=128, tp=1, state_block=None, model="m"):
+    attention = FullAttentionSpec(block_size=block, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    state = MambaSpec(block_size=state_block or block, shapes=((3, 128),), dtypes=(torch.float32,),
+                      page_size_padded=attention.page_size_bytes, mamba_cache_mode="align")
+    kv = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["l0", "l1"], state), KVCacheGroupSpec(["l2"], attention)])
+    config = SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=block),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1),
+        model_config=SimpleNamespace(model=model, max_model_len=4096, revision=None, dtype=torch.float32))
+    return config, kv
+
+
+def test_groups_keep_vllm_ids_and_real_unpadded_bytes():
+    layout = layout_from_vllm(*engine())
+    state, attention = layout.groups
+    assert (state.id, state.kind, state.page_bytes) == (0, GroupKind.STATE, 2 * 3 * 128 * 4)
+    assert (attention.id, attention.kind, attention.page_bytes) == (1, GroupKind.ATTENTION, 2 * 128 * 2 * 32 * 4)
+    assert layout.block_tokens == 128 and layout.engine == f"vllm {vllm.__version__}"
+
+
+def test_fingerprint_follows_model_block_size_and_vllm_version():
+    base = layout_from_vllm(*engine())
+    assert layout_from_vllm(*engine(model="other")).fingerprint() != base.fingerprint()
+    assert layout_from_vllm(*engine(block=256)).fingerprint() != base.fingerprint()
+    assert dataclasses.replace(base, engine="vllm 0.0.1").fingerprint() != base.fingerprint()
+
+
+def test_refuses_tensor_parallel_and_misaligned_state_blocks():
+    with pytest.raises(HybridKVError, match="tensor_parallel_size=1"):
+        layout_from_vllm(*engine(tp=2))
+    with pytest.raises(HybridKVError, match="block_size 256 but the scheduler's is 128"):
+        layout_from_vllm(*engine(state_block=256))
+
+
+def test_extra_config_follows_vllm_block_size_and_refuses_another():
+    config = cache_config_from_extra({"ram_bytes": "8MiB", "retention": 0, "stats_file": "x"}, 128)
+    assert (config.block_tokens, config.ram_bytes) == (128, 8 * 1024**2)
+    with pytest.raises(HybridKVError, match="block_tokens=64 differs"):
+        cache_config_from_extra({"block_tokens": 64}, 128)
+    with pytest.raises(HybridKVError, match="not a multiple"):
+        cache_config_from_extra({"retention": 100}, 128)
