@@ -80,15 +80,20 @@ class Connector:
 
     def _find_hit(self, req: RequestState) -> Hit:
         cap = max(0, (req.n_tokens - 1) // self.B)
-        where = {g.id: self.cache.locate(g.id, req.keys[:cap]) for g in self.groups}
+        local = min(req.local_blocks, cap)
+        where = {}
+        for g in self.groups:   # token pages the engine holds are not looked up in any tier
+            skip = local if g.is_token_group else 0
+            where[g.id] = [None] * skip + self.cache.locate(g.id, req.keys[skip:cap])
         req.where = where
-        local, token_groups = req.local_blocks, set(self.token_groups)
+        token_groups = set(self.token_groups)
         return compute_hit(self.groups, req.n_tokens, self.B,
                            lambda gid, block: where[gid][block] is not None
                            or (block < local and gid in token_groups))
 
     def hit_blocks(self, req: RequestState) -> dict[int, range]:
-        """Blocks the hit loads: every block for token groups, the last one's state otherwise."""
+        """Blocks the hit loads: token groups every block the engine does not hold, state
+        groups the last one's state."""
         n = req.hit.tokens // self.B
         blocks = {gid: range(min(req.local_blocks, n), n) for gid in self.token_groups}
         blocks.update({gid: range(n - 1, n) for gid in self.state_groups})

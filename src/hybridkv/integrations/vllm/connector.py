@@ -113,7 +113,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker.store(self._get_connector_metadata())
 
     def get_finished(self, finished_req_ids):
-        return None, (self.worker.take_finished_loads() or None)
+        return None, (self.worker.finished_loads() or None)
 
     def build_connector_worker_meta(self):
         return self.worker.take_report()

@@ -13,7 +13,7 @@ import atexit
 import json
 import logging
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from hybridkv.cache import TieredCache
@@ -49,7 +49,6 @@ class SchedulerStats:
     stores_refused: int = 0       # RAM had no free slot (everything pinned) for an offer
     store_failures: int = 0
     junctions_requested: int = 0
-    pages_stored: dict = field(default_factory=lambda: {"attention": 0, "state": 0})
 
 
 class SchedulerSide:
@@ -69,7 +68,7 @@ class SchedulerSide:
         self._next_reservation = 0
         self._closed = False
         self.history: deque[dict] = deque(maxlen=256)     # the last finished requests, for operators
-        self._interval = {"loaded_tokens": 0, "stored_pages": 0}   # since the last stats call
+        self._reported = {"loaded_tokens": 0, "stored_pages": 0}   # at the last stats call
         atexit.register(self.close)      # background writes reach disk even without shutdown()
         log.info("hybridkv: layout %s, %d groups, RAM %d B, tiers %s", self.layout.fingerprint(),
                  len(self.layout.groups), config.ram_bytes,
@@ -135,7 +134,6 @@ class SchedulerSide:
         ctx.loaded_tokens = num_external_tokens
         self.stats.loads += 1
         self.stats.loaded_tokens += num_external_tokens
-        self._interval["loaded_tokens"] += num_external_tokens
 
     # -- stores -----------------------------------------------------------------------------
     def plan_step(self, scheduled: dict[str, tuple[int, int]], block_ids_of) -> StepPlan:
@@ -150,8 +148,8 @@ class SchedulerSide:
 
     def _plan_stores(self, ctx: _Request, start: int, end: int, block_ids, plan: StepPlan) -> None:
         state, conn, B = ctx.state, self.connector, self.B
-        for j in range(start // B, min(end // B, len(state.keys))):
-            if conn.wants_block(state, j) and conn.token_groups:
+        for j in range(start // B, min(end // B, len(state.keys)) if conn.token_groups else 0):
+            if conn.wants_block(state, j):
                 self._reserve(ctx, "attention", conn.token_groups, j, block_ids, plan)
         if end % B == 0 and conn.wants_state(state, end):
             self._reserve(ctx, "state", conn.state_groups, end // B - 1, block_ids, plan)
@@ -184,11 +182,10 @@ class SchedulerSide:
                 self.cache.commit(res.plans, ok)
                 if ok:
                     pages = sum(len(p.keys) for p in res.plans.values())
-                    self.stats.pages_stored[res.kind] += pages
+                    self.connector.stats["pages_stored"] += pages
                     owner = self._requests.get(res.request)
                     if owner is not None:
                         owner.state.stored[res.kind] += pages
-                    self._interval["stored_pages"] += pages
                 else:
                     self.stats.store_failures += 1
             for req in report.loaded | report.load_failures:
@@ -215,9 +212,12 @@ class SchedulerSide:
         self.write_stats()
 
     def take_counters(self) -> dict:
-        counters = self._interval
-        self._interval = dict.fromkeys(counters, 0)
-        return counters
+        """What changed since the last call (vLLM sums these per logging interval)."""
+        now = {"loaded_tokens": self.stats.loaded_tokens,
+               "stored_pages": self.connector.stats["pages_stored"]}
+        delta = {k: v - self._reported[k] for k, v in now.items()}
+        self._reported = now
+        return delta
 
     def summary(self) -> dict:
         return {"connector": dict(self.connector.stats), "vllm": vars(self.stats),

@@ -39,7 +39,6 @@ class WorkerSide:
         self.regions: dict[int, SharedRegion] = {}
         self.report = WorkerReport()
         self.failed_blocks: set[int] = set()
-        self.finished_loads: set[str] = set()
         self.counters = {"load_bytes": 0, "store_bytes": 0, "load_s": 0.0, "store_s": 0.0}
 
     def register(self, kv_caches: dict) -> None:
@@ -62,7 +61,6 @@ class WorkerSide:
         else:               # vLLM recomputes these blocks
             self.report.load_failures |= requests
             self.failed_blocks |= {b for cs in plan.loads.values() for c in cs for b in c.blocks}
-        self.finished_loads |= requests
 
     def store(self, plan: StepPlan) -> None:
         if not plan.stores:
@@ -93,9 +91,9 @@ class WorkerSide:
         report, self.report = self.report, WorkerReport()
         return report or None
 
-    def take_finished_loads(self) -> set[str]:
-        done, self.finished_loads = self.finished_loads, set()
-        return done
+    def finished_loads(self) -> set[str]:
+        """This step's finished loads; vLLM asks before it takes the step's report."""
+        return self.report.loaded | self.report.load_failures
 
     def take_failed_blocks(self) -> set[int]:
         failed, self.failed_blocks = self.failed_blocks, set()
