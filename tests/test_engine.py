@@ -214,6 +214,41 @@ def test_local_checkpoint_directory_loads_and_restores(tmp_path):
     assert warm.hit_tokens == 3 * B and warm.logits_digest == cold.logits_digest
 
 
+def _save_perturbed(name: str, directory, seed: int):
+    """A checkpoint of a built-in with its weights nudged: same config, different model."""
+    import torch
+
+    from hybridkv.engine.models import build_builtin
+
+    model = build_builtin(name)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    model.save_pretrained(directory)
+
+
+def test_checkpoints_of_one_directory_name_but_other_weights_miss(tmp_path):
+    """Identity is config + weights, never the directory's name."""
+    from hybridkv.engine.models import build_builtin
+
+    build_builtin("tiny-bamba").save_pretrained(tmp_path / "a" / "ckpt")
+    _save_perturbed("tiny-bamba", tmp_path / "b" / "ckpt", seed=1)
+    ids = prompt(3 * B + 2, seed=6)
+    cfg = CacheConfig(block_tokens=B, store=str(tmp_path / "store"))
+    with Engine(str(tmp_path / "a" / "ckpt"), cfg) as first:
+        first.generate(ids, 3)
+    cold_b = Engine(str(tmp_path / "b" / "ckpt"), cfg, use_cache=False).generate(ids, 3)
+    with Engine(str(tmp_path / "b" / "ckpt"), cfg) as second:
+        assert second.layout.fingerprint() != first.layout.fingerprint()
+        result = second.generate(ids, 3)
+    assert result.hit_tokens == 0 and result.logits_digest == cold_b.logits_digest
+    # weights replaced in place under the same path: a new namespace again
+    _save_perturbed("tiny-bamba", tmp_path / "a" / "ckpt", seed=2)
+    with Engine(str(tmp_path / "a" / "ckpt"), cfg) as replaced:
+        assert replaced.generate(ids, 3).hit_tokens == 0
+
+
 @pytest.mark.parametrize("family", ["jamba", "minimax"])
 def test_families_with_wrong_chunked_prefill_are_refused(tmp_path, family):
     import transformers

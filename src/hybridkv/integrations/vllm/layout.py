@@ -2,10 +2,13 @@
 
 One hybridkv group per vLLM KV-cache group, with the original group id and the real bytes of
 one block over the group's layers (padding excluded). The fingerprint carries the vLLM
-version, model, dtype, block size and TP rank/size, so any change of these misses.
+version, model and its weights' identity, dtype, block size and TP rank/size, so any change
+of these misses.
 """
 
 from __future__ import annotations
+
+import os
 
 import vllm
 from vllm.v1.kv_cache_interface import (
@@ -17,6 +20,7 @@ from vllm.v1.kv_cache_interface import (
 
 from hybridkv.config import CacheConfig, load_config
 from hybridkv.core.errors import HybridKVError
+from hybridkv.core.identity import checkpoint_revision
 from hybridkv.core.layout import Group, GroupKind, Layout
 
 # kv_connector_extra_config keys that belong to the integration, not to CacheConfig.
@@ -59,8 +63,17 @@ def layout_from_vllm(vllm_config, kv_cache_config: KVCacheConfig) -> Layout:
     model = vllm_config.model_config
     return Layout(
         model=str(model.model), block_tokens=block, groups=tuple(groups),
-        max_model_len=model.max_model_len, revision=model.revision, dtype=str(model.dtype),
+        max_model_len=model.max_model_len, revision=model_revision(model), dtype=str(model.dtype),
         tp_rank=0, tp_size=1, engine=f"vllm {vllm.__version__}")
+
+
+def model_revision(model_config) -> str | None:
+    """What the weights are: a local directory by its files' digest, a Hub model by the
+    commit it resolved to (a branch name such as "main" moves, so it is not enough)."""
+    if os.path.isdir(str(model_config.model)):
+        return checkpoint_revision(model_config.model)
+    commit = getattr(model_config.hf_config, "_commit_hash", None)
+    return commit or model_config.revision
 
 
 def cache_config_from_extra(extra: dict, block_tokens: int) -> CacheConfig:

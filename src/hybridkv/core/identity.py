@@ -1,0 +1,123 @@
+"""What a model *is*, for the layout fingerprint: never a path's last component.
+
+Two checkpoints in directories of the same name, or one directory whose weights were
+replaced, must land in different namespaces, or one model would be served the other's
+pages. A checkpoint's identity is its Hub commit hash when it has one, else a digest of its
+config and weight files. Tokenizer files are left out on purpose: keys are token ids, and
+the KV of given ids does not depend on how text became them.
+
+Hashing a large checkpoint takes seconds per GB, so per-file digests are remembered in
+``$XDG_CACHE_HOME/hybridkv/file-digests.json`` under (path, size, mtime, inode).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+IDENTITY_FILES = ("config.json",)
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+_CHUNK = 8 * 1024 * 1024
+
+
+def hub_commit(path: Path) -> str | None:
+    """``.../snapshots/<commit>/`` is how the Hugging Face cache names a checkpoint."""
+    resolved = path.resolve()
+    if resolved.parent.name == "snapshots" and _COMMIT.fullmatch(resolved.name):
+        return resolved.name
+    return None
+
+
+def identity_files(path: Path) -> list[Path]:
+    return sorted(p for p in path.iterdir()
+                  if p.is_file() and (p.name in IDENTITY_FILES or p.name.endswith(WEIGHT_SUFFIXES)))
+
+
+def checkpoint_revision(path: str | Path) -> str:
+    """The checkpoint's commit hash, or ``sha256:<digest of config + weights>``."""
+    path = Path(path)
+    commit = hub_commit(path)
+    if commit:
+        return commit
+    files = identity_files(path)
+    memo = _DigestMemo.load()
+    total = sum(f.stat().st_size for f in files)
+    if total > 1024**3 and not all(memo.get(f) for f in files):
+        log.warning("hashing %.1f GB of weights in %s once, to name its cache namespace",
+                    total / 1024**3, path)
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode() + b"\0" + memo.digest(f).encode() + b"\0")
+    memo.save()
+    return "sha256:" + h.hexdigest()[:32]
+
+
+def tensors_digest(named_tensors) -> str:
+    """Digest of in-memory weights (the built-ins, whose weights are generated, not stored)."""
+    import torch
+
+    h = hashlib.sha256()
+    for name, tensor in named_tensors:
+        h.update(name.encode() + b"\0" + str(tensor.dtype).encode())
+        h.update(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy())
+    return "sha256:" + h.hexdigest()[:32]
+
+
+class _DigestMemo:
+    """Per-file sha256 remembered across runs; a missing or unwritable memo only costs time."""
+
+    def __init__(self, path: Path | None, entries: dict):
+        self.path, self.entries, self.changed = path, entries, False
+
+    @classmethod
+    def load(cls) -> _DigestMemo:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        path = Path(base) / "hybridkv" / "file-digests.json"
+        try:
+            entries = json.loads(path.read_text())
+            if not isinstance(entries, dict):
+                entries = {}
+        except (OSError, ValueError):
+            entries = {}
+        return cls(path, entries)
+
+    @staticmethod
+    def _stamp(f: Path) -> list:
+        st = f.stat()
+        return [st.st_size, st.st_mtime_ns, st.st_ino]
+
+    def get(self, f: Path) -> str | None:
+        entry = self.entries.get(str(f.resolve()))
+        if isinstance(entry, list) and len(entry) == 2 and entry[0] == self._stamp(f):
+            return entry[1]
+        return None
+
+    def digest(self, f: Path) -> str:
+        known = self.get(f)
+        if known:
+            return known
+        h = hashlib.sha256()
+        with open(f, "rb") as stream:
+            while chunk := stream.read(_CHUNK):
+                h.update(chunk)
+        self.entries[str(f.resolve())] = [self._stamp(f), h.hexdigest()]
+        self.changed = True
+        return h.hexdigest()
+
+    def save(self) -> None:
+        if not self.changed:
+            return
+        with contextlib.suppress(OSError):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".file-digests.")
+            with os.fdopen(fd, "w") as out:
+                json.dump(self.entries, out)
+            os.replace(tmp, self.path)
