@@ -181,7 +181,7 @@ def test_generate_bad_input(tmp_path):
     assert_one_line_error(run_cli("generate", "--prompt-ids", long_ids), "exceeds the model's maximum length")
     blocker = tmp_path / "file"
     blocker.write_text("keep me")
-    assert_one_line_error(run_cli("generate", "--store", blocker / "s", "--prompt", "x"), "not writable")
+    assert_one_line_error(run_cli("generate", "--store", blocker / "s", "--prompt", "x"), "cannot be created")
     assert blocker.read_text() == "keep me"
     assert_one_line_error(run_cli("generate", "--prompt", "x", "--retention", "100"), "not a multiple")
 

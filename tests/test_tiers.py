@@ -209,7 +209,7 @@ def test_two_writers_and_a_reader_never_see_a_partial_file(tmp_path):
 def test_unwritable_store_is_a_clear_error(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    with pytest.raises(HybridKVError, match="not writable"):
+    with pytest.raises(HybridKVError, match="cannot be created"):
         FilesystemTier(blocker / "store", LAYOUT)
 
 

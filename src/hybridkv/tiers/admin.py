@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,14 +49,21 @@ def _namespaces(store: Path) -> list[tuple[Path, dict]]:
     return found
 
 
-def _pages(namespace: Path) -> Iterator[tuple[int, Path]]:
+def _pages(namespace: Path) -> Iterator[tuple[int, Path, os.stat_result]]:
+    """Regular page files with their own stat; a symlink or directory named ``*.blk`` is not
+    a page, and following it could read or delete outside the store."""
     for gdir in sorted(namespace.glob("g*")):
         try:
             group = int(gdir.name[1:])
         except ValueError:
             continue
         for path in gdir.glob("*/*.blk"):
-            yield group, path
+            try:
+                st = path.lstat()
+            except FileNotFoundError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                yield group, path, st
 
 
 def inspect_store(store: str | Path) -> dict:
@@ -64,11 +72,11 @@ def inspect_store(store: str | Path) -> dict:
     for ns, manifest in _namespaces(store):
         kinds = {g["id"]: g["kind"] for g in manifest.get("layout", {}).get("groups", [])}
         groups: dict[int, dict] = {}
-        for group, path in _pages(ns):
+        for group, _, st in _pages(ns):
             g = groups.setdefault(group, {"id": group, "kind": kinds.get(group, "unknown"),
                                           "files": 0, "bytes": 0})
             g["files"] += 1
-            g["bytes"] += path.stat().st_size
+            g["bytes"] += st.st_size
         qdir = ns / QUARANTINE
         quarantined = sum(1 for _ in qdir.iterdir()) if qdir.is_dir() else 0
         total = sum(g["bytes"] for g in groups.values())
@@ -82,7 +90,7 @@ def inspect_store(store: str | Path) -> dict:
 
 def verify_store(store: str | Path, progress: bool = True) -> dict:
     """Check every page file; corrupt ones are moved to quarantine."""
-    pages = [(ns, g, p) for ns, _ in _namespaces(Path(store)) for g, p in _pages(ns)]
+    pages = [(ns, g, p) for ns, _ in _namespaces(Path(store)) for g, p, _ in _pages(ns)]
     bar = Progress(len(pages), "verifying", progress)
     result = {"checked": 0, "ok": 0, "corrupt": 0, "quarantined": 0}
     for ns, group, path in pages:
@@ -103,8 +111,7 @@ def gc_store(store: str | Path, max_bytes: int, progress: bool = True) -> dict:
     """Remove least recently used page files (by mtime) until the store fits ``max_bytes``."""
     files = []
     for ns, _ in _namespaces(Path(store)):
-        for _, path in _pages(ns):
-            st = path.stat()
+        for _, path, st in _pages(ns):
             files.append((st.st_mtime_ns, st.st_size, path))
     files.sort()
     total = sum(size for _, size, _ in files)

@@ -3,15 +3,21 @@
 ``root/<fingerprint>/g<group>/<2 hex>/<key hex>.blk``; writes go to a temp file that is
 renamed into place, so a reader never sees a partial page, also across processes and
 after ``kill -9``. Files that fail verification are quarantined and counted, never served.
+A store this process cannot write (a read-only mount, another user's files) is served
+read-only: what verifies is a hit, the rest a miss, and nothing is changed on disk.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import mmap
 import os
+import secrets
+import stat
+import tempfile
 import threading
 import time
 from collections import OrderedDict
@@ -37,9 +43,9 @@ def probe_direct_io(directory: Path) -> bool:
     """Does this filesystem accept O_DIRECT? (tmpfs and overlayfs do not.)"""
     if not hasattr(os, "O_DIRECT"):
         return False
-    probe = directory / f".direct-probe-{os.getpid()}"
+    probe = directory / f".direct-probe-{secrets.token_hex(8)}"
     try:
-        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_DIRECT, 0o600)
     except OSError:
         return False
     try:
@@ -58,11 +64,40 @@ def page_path(namespace: Path, group: int, key: bytes) -> Path:
     return namespace / f"g{group}" / hexkey[:2] / f"{hexkey}.blk"
 
 
-def quarantine(namespace: Path, path: Path) -> None:
+def quarantine(namespace: Path, path: Path) -> bool:
+    """Move a bad page aside; False when the store does not let us (it is still never served)."""
     qdir = namespace / QUARANTINE
-    qdir.mkdir(exist_ok=True)
-    with contextlib.suppress(FileNotFoundError):
+    try:
+        qdir.mkdir(exist_ok=True)
         os.replace(path, qdir / f"{path.parent.parent.name}-{path.name}.{time.time_ns()}")
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return False
+    return True
+
+
+def write_all(fd: int, buffers) -> None:
+    """``os.writev`` until every byte is written: a short write is resumed, no progress fails."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    views = [v for v in views if len(v)]
+    while views:
+        n = os.writev(fd, views)
+        if n <= 0:
+            raise OSError(errno.EIO, "write made no progress")
+        while views and n >= len(views[0]):
+            n -= len(views.pop(0))
+        if n:
+            views[0] = views[0][n:]
+
+
+def regular_size(path) -> int | None:
+    """The size of a regular file at ``path`` itself (symlinks and directories are not pages)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
 
 
 def _tmp_owner_alive(name: str) -> bool:
@@ -85,21 +120,31 @@ class FilesystemTier(SecondaryTier):
         self.namespace = self.root / layout.fingerprint()
         self.max_bytes = max_bytes
         self.fsync = durability == "fsync"
+        self.read_only = False
         try:
             self.namespace.mkdir(parents=True, exist_ok=True)
+            if not os.access(self.namespace, os.W_OK):
+                raise PermissionError(errno.EACCES, "permission denied")
             self._write_manifest()
         except OSError as e:
-            raise HybridKVError(
-                f"store directory {self.root} is not writable ({e.strerror}); choose another --store"
-            ) from None
-        self.direct = probe_direct_io(self.namespace) if direct is None else direct
+            if not self.root.is_dir():
+                raise HybridKVError(
+                    f"store directory {self.root} cannot be created ({e.strerror}); choose another --store"
+                ) from None
+            self.read_only = True
+            log.warning("store %s is read-only (%s): serving the pages that verify, storing none",
+                        self.root, e.strerror)
+        self.direct = (not self.read_only and probe_direct_io(self.namespace)) if direct is None else direct
         self._lock = threading.Lock()
         self._index: OrderedDict = OrderedDict()   # (group, key) -> file bytes, LRU first
         self._bytes = 0
         self._start = process_start_time(os.getpid())
         self._local = threading.local()            # per-thread aligned buffer for O_DIRECT
         self.stats = {"reads": 0, "read_bytes": 0, "writes": 0, "write_bytes": 0,
-                      "corrupt": 0, "read_errors": 0, "evictions": 0, "orphans_removed": 0}
+                      "corrupt": 0, "read_errors": 0, "write_errors": 0, "evictions": 0,
+                      "orphans_removed": 0}
+        self._write_errnos: set[int] = set()      # failure kinds already logged
+        self._bad: set = set()                     # corrupt pages we could not move aside
         self._scan()
         self._io = IOQueue(threads, "hybridkv-fs")
 
@@ -108,14 +153,17 @@ class FilesystemTier(SecondaryTier):
         path = self.namespace / MANIFEST
         if path.exists():
             return
-        tmp = path.with_name(f".{MANIFEST}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"format": pagefile.VERSION, "fingerprint": self.layout.fingerprint(),
-                                   "model": self.layout.model, "layout": self.layout.to_dict()}, indent=2))
+        fd, tmp = tempfile.mkstemp(dir=self.namespace, prefix=f".{MANIFEST}.", suffix=".tmp")
+        with os.fdopen(fd, "w") as out:       # an unpredictable, freshly created name: no symlink games
+            json.dump({"format": pagefile.VERSION, "fingerprint": self.layout.fingerprint(),
+                       "model": self.layout.model, "layout": self.layout.to_dict()}, out, indent=2)
         os.replace(tmp, path)
 
     def _scan(self) -> None:
         """Rebuild the index from the files (oldest mtime first) and drop orphaned temp files."""
         found = []
+        if not self.namespace.is_dir():
+            return
         for gdir in self.namespace.glob("g*"):
             try:
                 group = int(gdir.name[1:])
@@ -124,18 +172,20 @@ class FilesystemTier(SecondaryTier):
             for entry in gdir.glob("*/*"):
                 name = entry.name
                 if name.endswith(".tmp"):
-                    if not _tmp_owner_alive(name):
-                        entry.unlink(missing_ok=True)
-                        self.stats["orphans_removed"] += 1
+                    if not self.read_only and not _tmp_owner_alive(name):
+                        with contextlib.suppress(OSError):
+                            entry.unlink()
+                            self.stats["orphans_removed"] += 1
                     continue
                 if not name.endswith(".blk"):
                     continue
                 try:
-                    st = entry.stat()
+                    st = entry.lstat()
                     key = bytes.fromhex(name[:-4])
                 except (OSError, ValueError):
                     continue
-                found.append((st.st_mtime_ns, (group, key), st.st_size))
+                if stat.S_ISREG(st.st_mode):
+                    found.append((st.st_mtime_ns, (group, key), st.st_size))
         found.sort()
         for _, ident, size in found:
             self._index[ident] = size
@@ -148,9 +198,10 @@ class FilesystemTier(SecondaryTier):
         with self._lock:
             if ident in self._index:
                 return True
-        try:
-            size = page_path(self.namespace, group, key).stat().st_size
-        except OSError:
+            if ident in self._bad:
+                return False
+        size = regular_size(page_path(self.namespace, group, key))
+        if size is None:
             return False
         with self._lock:
             if ident not in self._index:
@@ -174,9 +225,12 @@ class FilesystemTier(SecondaryTier):
             self._forget(group, key)
             return False
         except pagefile.CorruptPage as e:
-            log.warning("quarantined corrupt page %s: %s", path, e)
-            quarantine(self.namespace, path)
+            moved = not self.read_only and quarantine(self.namespace, path)
+            log.warning("%s corrupt page %s: %s", "quarantined" if moved else "skipped", path, e)
             self._forget(group, key)
+            if not moved:
+                with self._lock:
+                    self._bad.add((group, key))
             with self._lock:
                 self.stats["corrupt"] += 1
             return False
@@ -191,13 +245,14 @@ class FilesystemTier(SecondaryTier):
             self.stats["read_bytes"] += out.nbytes
             if (group, key) in self._index:
                 self._index.move_to_end((group, key))
-        with contextlib.suppress(OSError):
-            os.utime(path)   # recency survives a restart
+        if not self.read_only:
+            with contextlib.suppress(OSError):
+                os.utime(path)   # recency survives a restart
         return True
 
     def _read_buffered(self, path: Path, group: int, key: bytes, out: np.ndarray) -> None:
         header = bytearray(pagefile.HEADER_BYTES)
-        with open(path, "rb", buffering=0) as f:
+        with open(_open_page(path, os.O_RDONLY), "rb", buffering=0) as f:
             size = os.fstat(f.fileno()).st_size
             if size != pagefile.HEADER_BYTES + out.nbytes:
                 raise pagefile.CorruptPage(f"file has {size} bytes, expected {pagefile.HEADER_BYTES + out.nbytes}")
@@ -208,7 +263,7 @@ class FilesystemTier(SecondaryTier):
 
     def _read_direct(self, path: Path, group: int, key: bytes, out: np.ndarray) -> None:
         want = pagefile.HEADER_BYTES + out.nbytes
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        fd = _open_page(path, os.O_RDONLY | os.O_DIRECT)
         try:
             size = os.fstat(fd).st_size
             if size != want:
@@ -240,6 +295,8 @@ class FilesystemTier(SecondaryTier):
     # -- writes ---------------------------------------------------------------------------
     def write(self, group: int, key: bytes, payload) -> bool:
         """Write one page atomically (temp file + rename); evict LRU files past the quota."""
+        if self.read_only:
+            return False
         path = page_path(self.namespace, group, key)
         header = pagefile.make_header(group, key, payload)
         tmp = path.with_name(f".{path.stem}.{os.getpid()}.{self._start}.{threading.get_ident()}.tmp")
@@ -250,7 +307,7 @@ class FilesystemTier(SecondaryTier):
             else:
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 try:
-                    os.writev(fd, [header, payload])
+                    write_all(fd, [header, payload])
                     if self.fsync:
                         os.fsync(fd)
                 finally:
@@ -263,11 +320,13 @@ class FilesystemTier(SecondaryTier):
                 finally:
                     os.close(dir_fd)
         except OSError as e:
-            tmp.unlink(missing_ok=True)
-            log.warning("filesystem tier could not write %s: %s", path, e)
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            self._write_failed(path, e)
             return False
         size = len(header) + len(memoryview(payload).cast("B"))
         with self._lock:
+            self._bad.discard((group, key))
             old = self._index.pop((group, key), None)
             self._bytes += size - (old or 0)
             self._index[(group, key)] = size
@@ -286,7 +345,7 @@ class FilesystemTier(SecondaryTier):
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
         try:
             with memoryview(buf) as view:
-                os.write(fd, view[:padded])
+                write_all(fd, [view[:padded]])
             os.ftruncate(fd, want)
             if self.fsync:
                 os.fsync(fd)
@@ -312,6 +371,18 @@ class FilesystemTier(SecondaryTier):
         for group, key in victims:
             page_path(self.namespace, group, key).unlink(missing_ok=True)
 
+    def _write_failed(self, path: Path, error: OSError) -> None:
+        """One log line per kind of failure, not one per page; a store gone read-only stays so."""
+        with self._lock:
+            self.stats["write_errors"] += 1
+            first = error.errno not in self._write_errnos
+            self._write_errnos.add(error.errno)
+            if error.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                self.read_only = True
+        if first:
+            log.warning("filesystem tier could not write %s: %s (further such failures are counted "
+                        "in stats, not logged)", path, error)
+
     def _forget(self, group: int, key: bytes) -> None:
         with self._lock:
             size = self._index.pop((group, key), None)
@@ -324,6 +395,16 @@ class FilesystemTier(SecondaryTier):
 
     def contains_many(self, group: int, keys) -> list[bool]:
         return [self.contains(group, k) for k in keys]
+
+
+def _open_page(path: Path, flags: int) -> int:
+    """Open a page file itself, never what a symlink in its place points to."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise pagefile.CorruptPage("a symlink, not a page") from None
+        raise
 
 
 register_tier("fs", "store", lambda root, layout, config: FilesystemTier(
