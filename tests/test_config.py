@@ -50,6 +50,12 @@ def test_json_config(tmp_path):
     ({"reference_tokens": 10}, "shorter than one block"),
     ({"colour": "red"}, "unknown config setting(s) ['colour']"),
     ({"retention": "sometimes"}, "retention: cannot read"),
+    ({"remote_timeout_s": float("nan")}, "remote_timeout_s must be a finite number"),
+    ({"remote_timeout_s": "inf"}, "remote_timeout_s must be a finite number"),
+    ({"remote_timeout_s": 0}, "remote_timeout_s must be a finite number"),
+    ({"remote_ttl_s": -5}, "remote_ttl_s must be > 0"),
+    ({"remote": "redis://[bad"}, "remote URL is malformed"),
+    ({"remote": "redis://host:notaport/0"}, "remote URL is malformed"),
 ])
 def test_config_errors(overrides, fragment):
     with pytest.raises(HybridKVError) as info:

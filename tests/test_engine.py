@@ -166,11 +166,58 @@ def test_requests_file_runs_in_order_with_shared_ram(tmp_path):
     ('{"prompt": "ok"}\n{"prompt": \n', "line 2: not valid JSON"),
     ('{"prompt": "a", "prompt_ids": [1]}\n', "line 1: needs exactly one of"),
     ('{"prompt_ids": ["x"]}\n', "line 1: prompt_ids must be a list of integers"),
+    ('{"prompt_ids": [1, true]}\n', "line 1: prompt_ids must be a list of integers"),
+    ('{"prompt": 5}\n', "line 1: prompt must be a string"),
+    ('{"prompt": ["a"]}\n', "line 1: prompt must be a string"),
+    ('{"prompt": "a", "salt": 3}\n', "line 1: salt must be a string"),
+    ('{"prompt": "a", "max_new_tokens": "abc"}\n', "line 1: max_new_tokens must be an integer >= 1"),
+    ('{"prompt": "a", "max_new_tokens": 0}\n', "line 1: max_new_tokens must be an integer >= 1"),
+    ('{"prompt": "a", "max_new_tokns": 3}\n', "line 1: unknown field(s) ['max_new_tokns']"),
+    ('[1, 2]\n', "line 1: needs exactly one of"),
+    (b'{"prompt": "\xff"}\n', "is not UTF-8 text"),
+    ("\n\n", "holds no requests"),
 ])
 def test_bad_requests_file(tmp_path, content, fragment):
     path = tmp_path / "r.jsonl"
-    path.write_text(content)
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
     assert_one_line_error(run_cli("generate", "--requests", path), fragment)
+
+
+@pytest.mark.parametrize("content, fragment", [
+    ('{"prompt": "runs first"}\n{"prompt_ids": [99999]}\n', "line 2: prompt token ids must be in [0, 512)"),
+    ('{"prompt": "runs first"}\n{"prompt_ids": [5], "max_new_tokens": 99999999}\n',
+     "line 2: prompt of 1 tokens + 99999999 new tokens exceeds"),
+])
+def test_model_checks_cover_every_request_before_the_first_runs(tmp_path, content, fragment):
+    path = tmp_path / "r.jsonl"
+    path.write_text(content)
+    proc = run_cli("generate", "--requests", path, "--store", tmp_path / "store", "--json")
+    assert_one_line_error(proc, fragment)
+    assert proc.stdout == ""                                   # line 1 did not run either
+    assert not list((tmp_path / "store").rglob("*.blk"))
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--prompt", "a\udcffb"], "the prompt is not valid UTF-8 text"),
+    (["--prompt", "x", "--max-new-tokens", "-5"], "--max-new-tokens: must be >= 1"),
+    (["--prompt", "x", "--max-new-tokens", "abc"], "--max-new-tokens: expected an integer"),
+    (["--prompt", "x", "--block-tokens", "0"], "--block-tokens: must be >= 1"),
+    (["--prompt", "x", "--remote", "redis://[bad"], "remote URL is malformed"),
+])
+def test_bad_generate_flags(args, fragment):
+    assert_one_line_error(run_cli("generate", *args), fragment)
+
+
+@pytest.mark.parametrize("content, fragment", [
+    (b"[1, \"a\", 2.5]", "token ids must all be integers"),
+    (b"[1, true]", "token ids must all be integers"),
+    (b"1 2 x", "expected a JSON list or whitespace-separated token ids"),
+    (b"\xff\xfe", "is not UTF-8 text"),
+])
+def test_bad_prompt_ids_file(tmp_path, content, fragment):
+    path = tmp_path / "ids"
+    path.write_bytes(content)
+    assert_one_line_error(run_cli("generate", "--prompt-ids", path), fragment)
 
 
 def test_generate_bad_input(tmp_path):

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from hybridkv.core.errors import HybridKVError
 from hybridkv.core.sizes import parse_size
@@ -86,8 +88,19 @@ class CacheConfig:
             raise HybridKVError(
                 f"remote {self.remote!r} is not a Redis URL; use redis://host:6379/0 or rediss://..."
             )
-        if self.remote_timeout_s <= 0:
-            raise HybridKVError("remote_timeout_s must be > 0 seconds")
+        if self.remote is not None:
+            try:
+                urlsplit(self.remote).port  # noqa: B018 (the property parses; raises on "[bad")
+            except ValueError as e:
+                raise HybridKVError(
+                    f"remote URL is malformed ({e}); use redis://host:6379/0 or rediss://...") from None
+        if not math.isfinite(self.remote_timeout_s) or self.remote_timeout_s <= 0:
+            raise HybridKVError(
+                f"remote_timeout_s must be a finite number of seconds > 0, got {self.remote_timeout_s!r}")
+        if self.remote_ttl_s is not None and self.remote_ttl_s <= 0:
+            raise HybridKVError(
+                f"remote_ttl_s must be > 0 seconds, got {self.remote_ttl_s}; or leave it out to keep "
+                "pages until Redis evicts them")
 
     def replace(self, **changes) -> CacheConfig:
         return dataclasses.replace(self, **changes)

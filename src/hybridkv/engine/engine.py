@@ -90,17 +90,39 @@ class Engine:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
 
-    @torch.no_grad()
-    def generate(self, prompt: str | list[int], max_new_tokens: int = 16, salt: str | None = None,
-                 max_stored_tokens: int | None = None) -> GenerationResult:
-        ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+    def check(self, prompt: str | list[int], max_new_tokens: int = 16, salt: str | None = None) -> list[int]:
+        """The prompt's token ids, or a HybridKVError saying what is wrong with the request.
+
+        Callers with many requests check them all first, so bad input never half-runs."""
+        if isinstance(prompt, str):
+            try:
+                ids = self.encode(prompt)
+            except UnicodeEncodeError:
+                raise HybridKVError("the prompt is not valid UTF-8 text; re-encode it as UTF-8") from None
+        elif all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise HybridKVError("prompt token ids must all be integers")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise HybridKVError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         if not ids:
             raise HybridKVError("the prompt is empty; give at least one token")
+        if salt is not None and not isinstance(salt, str):
+            raise HybridKVError(f"salt must be a string, got {salt!r}")
+        vocab = self.model.config.vocab_size
+        if not all(0 <= t < vocab for t in ids):
+            raise HybridKVError(f"prompt token ids must be in [0, {vocab}) for {self.model_name}")
         if len(ids) + max_new_tokens > self.max_len:
             raise HybridKVError(
                 f"prompt of {len(ids)} tokens + {max_new_tokens} new tokens exceeds the model's "
                 f"maximum length {self.max_len}; shorten the prompt"
             )
+        return ids
+
+    @torch.no_grad()
+    def generate(self, prompt: str | list[int], max_new_tokens: int = 16, salt: str | None = None,
+                 max_stored_tokens: int | None = None) -> GenerationResult:
+        ids = self.check(prompt, max_new_tokens, salt)
         index = next(self._ids)
         conn = self.connector
         req = conn.begin(f"r{index}-{id(self)}", ids, salt, max_stored_tokens) if conn else None

@@ -14,6 +14,16 @@ from hybridkv.core.sizes import format_size, parse_size
 from hybridkv.ram.policies import POLICIES
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse's own misuse path: one line, status 2
         self.exit(2, f"hybridkv: error: {message} (see '{self.prog} --help')\n")
@@ -102,42 +112,68 @@ def _cache_config(args):
     })
 
 
-def _read_requests(args) -> list[dict]:
-    """All requests, validated before anything runs (so bad input never half-runs)."""
+REQUEST_FIELDS = ("prompt", "prompt_ids", "max_new_tokens", "salt")
+
+
+def _read_text(path: str, what: str) -> str:
     from pathlib import Path
 
-    if args.prompt is not None:
-        return [{"prompt": args.prompt}]
-    if args.prompt_ids is not None:
-        try:
-            text = Path(args.prompt_ids).read_text()
-        except OSError as e:
-            raise HybridKVError(f"cannot read prompt file {args.prompt_ids}: {e.strerror}") from None
-        try:
-            ids = json.loads(text) if text.lstrip().startswith("[") else [int(t) for t in text.split()]
-        except ValueError:
-            raise HybridKVError(
-                f"{args.prompt_ids}: expected a JSON list or whitespace-separated token ids") from None
-        return [{"prompt_ids": ids}]
     try:
-        lines = Path(args.requests).read_text().splitlines()
+        return Path(path).read_bytes().decode("utf-8")
     except OSError as e:
-        raise HybridKVError(f"cannot read requests file {args.requests}: {e.strerror}") from None
+        raise HybridKVError(f"cannot read {what} {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise HybridKVError(f"{what} {path} is not UTF-8 text (byte {e.start}); re-encode it as UTF-8") from None
+
+
+def _parse_ids(text: str, where: str) -> list[int]:
+    try:
+        ids = json.loads(text) if text.lstrip().startswith("[") else [int(t) for t in text.split()]
+    except ValueError:
+        raise HybridKVError(f"{where}: expected a JSON list or whitespace-separated token ids") from None
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise HybridKVError(f"{where}: token ids must all be integers")
+    return ids
+
+
+def _check_request(item, where: str) -> dict:
+    """The shape of one JSONL request; what depends on the model is checked by Engine.check."""
+    if not isinstance(item, dict) or ("prompt" in item) == ("prompt_ids" in item):
+        raise HybridKVError(f"{where}: needs exactly one of \"prompt\" or \"prompt_ids\"")
+    unknown = sorted(set(item) - set(REQUEST_FIELDS))
+    if unknown:
+        raise HybridKVError(f"{where}: unknown field(s) {unknown}; known: {', '.join(REQUEST_FIELDS)}")
+    if "prompt" in item and not isinstance(item["prompt"], str):
+        raise HybridKVError(f"{where}: prompt must be a string; use prompt_ids for token ids")
+    ids = item.get("prompt_ids")
+    if ids is not None and not (isinstance(ids, list)
+                                and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+        raise HybridKVError(f"{where}: prompt_ids must be a list of integers")
+    n = item.get("max_new_tokens")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise HybridKVError(f"{where}: max_new_tokens must be an integer >= 1, got {n!r}")
+    if not isinstance(item.get("salt", ""), str):
+        raise HybridKVError(f"{where}: salt must be a string, got {item['salt']!r}")
+    return item
+
+
+def _read_requests(args) -> list[tuple[str, dict]]:
+    """All requests with where each came from, their shape validated before any model loads."""
+    if args.prompt is not None:
+        return [("", {"prompt": args.prompt})]
+    if args.prompt_ids is not None:
+        ids = _parse_ids(_read_text(args.prompt_ids, "prompt file"), args.prompt_ids)
+        return [(f"{args.prompt_ids}: ", {"prompt_ids": ids})]
     requests = []
-    for number, line in enumerate(lines, 1):
+    for number, line in enumerate(_read_text(args.requests, "requests file").splitlines(), 1):
         if not line.strip():
             continue
         try:
             item = json.loads(line)
         except ValueError as e:
             raise HybridKVError(f"{args.requests} line {number}: not valid JSON ({e.msg})") from None
-        if not isinstance(item, dict) or ("prompt" in item) == ("prompt_ids" in item):
-            raise HybridKVError(
-                f"{args.requests} line {number}: needs exactly one of \"prompt\" or \"prompt_ids\"")
-        ids = item.get("prompt_ids")
-        if ids is not None and not (isinstance(ids, list) and all(isinstance(t, int) for t in ids)):
-            raise HybridKVError(f"{args.requests} line {number}: prompt_ids must be a list of integers")
-        requests.append(item)
+        where = f"{args.requests} line {number}"
+        requests.append((f"{where}: ", _check_request(item, where)))
     if not requests:
         raise HybridKVError(f"{args.requests} holds no requests")
     return requests
@@ -164,15 +200,16 @@ def _cmd_generate(args) -> int:
     requests = _read_requests(args)
     _quiet_transformers()
     with Engine(args.model, config, use_cache=not args.no_cache, dtype=args.dtype) as engine:
-        for vocab_check in requests:
-            ids = vocab_check.get("prompt_ids")
-            vocab = engine.model.config.vocab_size
-            if ids is not None and any(not 0 <= t < vocab for t in ids):
-                raise HybridKVError(f"prompt_ids must be in [0, {vocab}) for {args.model}")
-        for item in requests:
+        runs = []
+        for where, item in requests:          # every request checked before the first runs
             prompt = item.get("prompt_ids", item.get("prompt"))
-            result = engine.generate(prompt, int(item.get("max_new_tokens", args.max_new_tokens)),
-                                     salt=item.get("salt"))
+            n = item.get("max_new_tokens", args.max_new_tokens)
+            try:
+                runs.append((engine.check(prompt, n, item.get("salt")), n, item.get("salt")))
+            except HybridKVError as e:
+                raise HybridKVError(f"{where}{e}") from None
+        for ids, n, salt in runs:
+            result = engine.generate(ids, n, salt=salt)
             if args.json:
                 print(json.dumps(result.to_dict()), flush=True)
             else:
@@ -249,7 +286,7 @@ def _add_cache_flags(p) -> None:
     p.add_argument("--remote", help="Redis/Valkey URL of a shared remote tier")
     p.add_argument("--ram-bytes", help="RAM tier budget, e.g. 256MiB")
     p.add_argument("--fs-bytes", help="filesystem tier quota, e.g. 20GiB")
-    p.add_argument("--block-tokens", type=int, help="tokens per block (default 64)")
+    p.add_argument("--block-tokens", type=_positive_int, help="tokens per block (default 64)")
     p.add_argument("--retention", help="dense, 0 (semantic, default) or an interval in tokens")
     p.add_argument("--eviction", choices=list(POLICIES))
 
@@ -265,8 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layout", required=True, help="layout JSON file (see docs/layout.md)")
     p.add_argument("--budget", required=True, help="bytes per worker, e.g. 4GiB")
     p.add_argument("--retention", default="0", help="dense, 0 (semantic, default) or N tokens")
-    p.add_argument("--reference-tokens", type=int, help="typical request length (default: max_model_len)")
-    p.add_argument("--engine-block-tokens", type=int, help="the engine's own block size, to check")
+    p.add_argument("--reference-tokens", type=_positive_int, help="typical request length (default: max_model_len)")
+    p.add_argument("--engine-block-tokens", type=_positive_int, help="the engine's own block size, to check")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_plan)
 
@@ -292,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     _add_cache_flags(p)
     p.add_argument("--no-cache", action="store_true", help="same chunking, no cache: the cold control")
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=_positive_int, default=16)
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="prompt text")
     source.add_argument("--prompt-ids", help="file with token ids (JSON list or whitespace separated)")
@@ -304,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="watch the cache work: RAM, junction, restart, pressure")
     p.add_argument("--model", default="tiny-hybrid")
     p.add_argument("--store", help="keep the demo's store here (default: a temp dir)")
-    p.add_argument("--prompt-tokens", type=int, default=3000)
+    p.add_argument("--prompt-tokens", type=_positive_int, default=3000)
     p.add_argument("--remote", help="also write through to this Redis/Valkey URL")
     p.add_argument("--plot", default="hybridkv-demo.png", help="PNG chart path ('' for none)")
     p.add_argument("--json", action="store_true")
@@ -313,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="tier, manager, restore and workload benchmarks")
     p.add_argument("--quick", action="store_true", help="smaller sizes; under two minutes")
     p.add_argument("--remote", help="also measure a Redis/Valkey tier at this URL")
-    p.add_argument("--manager-slots", type=int, help="pool size for the manager trace (default 1M, quick 100K)")
+    p.add_argument("--manager-slots", type=_positive_int, help="pool size for the manager trace (default 1M, quick 100K)")
     p.add_argument("--plot", help="write PNG charts into this directory")
     p.add_argument("--json", action="store_true", help="one JSON object with a section per part")
     p.set_defaults(func=_cmd_bench)
@@ -324,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("layout", help="print a model's cache layout (input for 'plan')")
     p.add_argument("--model", default="tiny-hybrid")
-    p.add_argument("--block-tokens", type=int, default=64)
+    p.add_argument("--block-tokens", type=_positive_int, default=64)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.set_defaults(func=_cmd_layout)
     return parser
