@@ -296,6 +296,29 @@ def test_checkpoints_of_one_directory_name_but_other_weights_miss(tmp_path):
         assert replaced.generate(ids, 3).hit_tokens == 0
 
 
+def test_an_upgrade_of_torch_or_transformers_starts_a_new_namespace(tmp_path, monkeypatch):
+    import torch
+    import transformers
+
+    from hybridkv.core import identity
+
+    ids = prompt(2 * B + 3, seed=9)
+    cfg = CacheConfig(block_tokens=B, store=str(tmp_path))
+    with Engine("tiny-hybrid", cfg) as before:
+        assert f"torch {torch.__version__}" in before.layout.engine
+        assert f"transformers {transformers.__version__}" in before.layout.engine
+        before.generate(ids, 2)
+    real = identity.metadata.version
+    monkeypatch.setattr(identity.metadata, "version",
+                        lambda name: "99.0" if name == "torch" else real(name))
+    with Engine("tiny-hybrid", cfg) as upgraded:
+        assert upgraded.layout.fingerprint() != before.layout.fingerprint()
+        assert upgraded.generate(ids, 2).hit_tokens == 0
+    monkeypatch.undo()
+    with Engine("tiny-hybrid", cfg) as again:         # the old namespace is still there
+        assert again.generate(ids, 2).hit_tokens == 2 * B
+
+
 @pytest.mark.parametrize("family", ["jamba", "minimax"])
 def test_families_with_wrong_chunked_prefill_are_refused(tmp_path, family):
     import transformers

@@ -73,6 +73,34 @@ def test_lease_cleanup_removes_killed_owners_region_only(tmp_path):
     survivor.wait()
 
 
+def test_pin_hooks_of_two_processes_never_overlap(tmp_path):
+    """cudaHostRegister of one region from several ranks at once is what the flock prevents."""
+    path, log = tmp_path / "hybridkv-pinned", tmp_path / "pin.log"
+    region = SharedRegion.create(path, 4, 4096)
+    children = [spawn("region-pin", path, log) for _ in range(3)]
+    for child in children:
+        assert child.wait(timeout=60) == 0
+    assert log.read_text().split() == ["start", "end"] * 3
+    region.close()
+
+
+def test_a_locked_lease_is_live_whatever_pid_it_names(tmp_path):
+    """An owner in another PID namespace writes a pid that means nothing here: the flock it
+    holds decides, so its region survives; the same lease unlocked is stale."""
+    import fcntl
+    import json
+
+    region = tmp_path / "hybridkv-elsewhere"
+    region.write_bytes(b"\0" * 4096)
+    lease = tmp_path / "hybridkv-elsewhere.lease"
+    lease.write_text(json.dumps({"pid": 999999999, "start_time": 1}))   # a pid no one has here
+    fd = os.open(lease, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    assert remove_stale_regions(tmp_path) == [] and region.exists()
+    os.close(fd)                                                      # the owner exits
+    assert remove_stale_regions(tmp_path) == [region] and not lease.exists()
+
+
 def test_failing_pin_hook_is_fatal_and_releases_everything(tmp_path):
     path = tmp_path / "hybridkv-pin"
 

@@ -1,6 +1,7 @@
 """Child process for tier tests: writes or reads pages of a small layout through real tiers.
 
-usage: tier_worker.py write STORE N [--storm]   |   read STORE N   |   region-create PATH | region-attach PATH
+usage: tier_worker.py write STORE N [--storm] | read STORE N | region-create PATH | region-attach PATH
+       | region-pin PATH LOG
 """
 
 import sys
@@ -35,6 +36,20 @@ def main() -> None:
         if cmd == "region-create":
             region = SharedRegion.create(target, 4, 4096)
             region.write(0, np.full(4096, 7, np.uint8))
+        elif cmd == "region-pin":           # log the hook's start and end: do two overlap?
+            log = sys.argv[3]
+            region = SharedRegion.attach(target, 4, 4096)
+
+            def hook(_region):
+                with open(log, "a") as f:
+                    f.write("start\n")
+                time.sleep(0.4)
+                with open(log, "a") as f:
+                    f.write("end\n")
+
+            region.run_pin_hook(hook)
+            region.close()
+            return
         else:
             region = SharedRegion.attach(target, 4, 4096)
             assert int(region.page(0)[0]) == 7

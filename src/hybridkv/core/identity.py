@@ -1,6 +1,6 @@
-"""What a model *is*, for the layout fingerprint: never a path's last component.
+"""What a model *is*, and what software produced its pages, for the layout fingerprint.
 
-Two checkpoints in directories of the same name, or one directory whose weights were
+Never a path's last component: two checkpoints in directories of the same name, or one directory whose weights were
 replaced, must land in different namespaces, or one model would be served the other's
 pages. A checkpoint's identity is its Hub commit hash when it has one, else a digest of its
 config and weight files. Tokenizer files are left out on purpose: keys are token ids, and
@@ -19,6 +19,7 @@ import logging
 import os
 import re
 import tempfile
+from importlib import metadata
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,20 @@ def checkpoint_revision(path: str | Path) -> str:
         h.update(f.name.encode() + b"\0" + memo.digest(f).encode() + b"\0")
     memo.save()
     return "sha256:" + h.hexdigest()[:32]
+
+
+def software_versions(*packages: str) -> str:
+    """``hybridkv 0.2.0, torch 2.13.0, ...``: an upgrade of any of them may change what the
+    bytes of a page mean (packing, kernels, dtypes), so it starts a new namespace."""
+    from hybridkv import __version__
+
+    parts = [f"hybridkv {__version__}"]
+    for name in packages:
+        try:
+            parts.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            parts.append(f"{name} -")
+    return ", ".join(parts)
 
 
 def tensors_digest(named_tensors) -> str:

@@ -19,7 +19,7 @@ from hybridkv.cache import TieredCache
 from hybridkv.config import CacheConfig
 from hybridkv.connector import Connector
 from hybridkv.core.errors import HybridKVError
-from hybridkv.core.identity import checkpoint_revision, tensors_digest
+from hybridkv.core.identity import checkpoint_revision, software_versions, tensors_digest
 from hybridkv.engine.hf_cache import ATTENTION_GROUP, STATE_GROUP, HFCacheAdapter
 from hybridkv.engine.models import BUILTINS, ByteTokenizer, load_model
 from hybridkv.engine.pinning import default_pin_hook
@@ -73,7 +73,8 @@ class Engine:
         self.tokenizer = tokenizer or ByteTokenizer()
         revision = (tensors_digest(self.model.state_dict().items()) if model in BUILTINS
                     else checkpoint_revision(model))
-        self.adapter = HFCacheAdapter(self.model, self.config.block_tokens, self.model_name, revision)
+        self.adapter = HFCacheAdapter(self.model, self.config.block_tokens, self.model_name, revision,
+                                      engine=software_versions("transformers", "torch"))
         self.layout = self.adapter.layout
         self.max_len = self.layout.max_model_len or 10**9
         self.cache: TieredCache | None = None

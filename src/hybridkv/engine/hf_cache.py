@@ -45,7 +45,8 @@ def _pack(specs: list[tuple[int, str, tuple[int, ...], torch.dtype]]) -> tuple[l
 class HFCacheAdapter:
     """Per-model page geometry, learned from one probe forward of ``block_tokens`` tokens."""
 
-    def __init__(self, model, block_tokens: int, model_name: str, revision: str | None = None):
+    def __init__(self, model, block_tokens: int, model_name: str, revision: str | None = None,
+                 engine: str | None = None):
         self.model = model
         self.B = block_tokens
         cache = self.new_cache()
@@ -90,7 +91,7 @@ class HFCacheAdapter:
         self.layout = Layout(
             model=model_name, block_tokens=block_tokens, groups=tuple(groups),
             max_model_len=getattr(config, "max_position_embeddings", None),
-            revision=revision, dtype=str(next(model.parameters()).dtype),
+            revision=revision, dtype=str(next(model.parameters()).dtype), engine=engine,
         )
 
     def new_cache(self):

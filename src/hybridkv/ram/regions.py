@@ -1,8 +1,10 @@
 """Shared RAM regions: one ``slots x page`` file per group, mapped MAP_SHARED.
 
 A region lives under ``/dev/shm`` by default so other processes (tensor-parallel workers)
-attach by path and see the same bytes. A lease file (owner pid + process start time) lets
-a later start remove regions left by a killed owner and never a live owner's.
+attach by path and see the same bytes. Its owner holds an flock on a lease file for as long
+as it lives; the kernel drops the lock when the owner dies, however it dies, so a later start
+removes the regions of killed owners and never a live owner's. A lock, unlike a PID, means
+the same thing in every container that shares the directory.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import fcntl
 import json
 import mmap
 import os
+import tempfile
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -37,14 +40,21 @@ def _lease_path(path: Path) -> Path:
     return path.with_name(path.name + ".lease")
 
 
-def _write_lease(path: Path) -> None:
-    _lease_path(path).write_text(json.dumps(
-        {"pid": os.getpid(), "start_time": process_start_time(os.getpid())}))
-
-
-def lease_is_live(lease: dict) -> bool:
-    start = process_start_time(int(lease.get("pid", -1)))
-    return start is not None and start == lease.get("start_time")
+def _hold_lease(path: Path) -> int:
+    """Write the lease under a temp name, lock it, then publish it: no one ever sees this
+    owner's lease unlocked. The pid inside is for people reading it, not for liveness."""
+    lease = _lease_path(path)
+    fd, tmp = tempfile.mkstemp(dir=lease.parent, prefix=".lease-")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.write(fd, json.dumps({"pid": os.getpid(), "region": path.name}).encode())
+        os.replace(tmp, lease)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return fd
 
 
 class SharedRegion:
@@ -55,9 +65,9 @@ class SharedRegion:
         self._fd = fd
         self._map = mmap.mmap(fd, slots * page_bytes, mmap.MAP_SHARED)
         self.array = np.frombuffer(self._map, dtype=np.uint8).reshape(slots, page_bytes)
-        # An owner's files are unlinked at close, or by this finalizer when a region is never
-        # closed (forgotten cache, exception) and is collected or the interpreter exits.
-        self._unlinker = weakref.finalize(self, _unlink_region, path) if owner else None
+        self._unlinker = None
+        if owner:
+            self.take_ownership()
 
     @property
     def nbytes(self) -> int:
@@ -84,7 +94,6 @@ class SharedRegion:
         try:
             os.ftruncate(fd, size)
             region = cls(path, slots, page_bytes, fd, owner=True)
-            _write_lease(path)
             if pin_hook is not None:
                 region.run_pin_hook(pin_hook, rank)
             return region
@@ -115,10 +124,10 @@ class SharedRegion:
         return cls(path, slots, page_bytes, fd, owner=False)
 
     def take_ownership(self) -> None:
-        """This process will unlink the file at close, whoever created it."""
+        """This process will unlink the file at close, whoever created it. The files go at
+        close, or by the finalizer when a region is never closed (forgotten cache, exception)."""
         if self._unlinker is None:
-            self._unlinker = weakref.finalize(self, _unlink_region, self.path)
-        _write_lease(self.path)
+            self._unlinker = weakref.finalize(self, _unlink_region, self.path, _hold_lease(self.path))
 
     def run_pin_hook(self, hook: PinHook, rank: int = 0) -> None:
         """Run e.g. CUDA host registration under an exclusive flock; failure is fatal."""
@@ -155,24 +164,31 @@ class SharedRegion:
             self._unlinker()          # unlinks once; a no-op if it already ran
 
 
-def _unlink_region(path: Path) -> None:
+def _unlink_region(path: Path, lease_fd: int) -> None:
     path.unlink(missing_ok=True)
     _lease_path(path).unlink(missing_ok=True)
+    os.close(lease_fd)               # the lock goes last
 
 
 def remove_stale_regions(directory: str | Path, prefix: str = "hybridkv-") -> list[Path]:
-    """Remove regions whose lease names a process that is gone; a live owner's stay."""
+    """Remove regions whose lease nobody holds locked; a live owner's stay."""
     removed = []
     for lease_file in Path(directory).glob(f"{prefix}*.lease"):
         try:
-            lease = json.loads(lease_file.read_text())
-        except (OSError, ValueError):
+            fd = os.open(lease_file, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
             continue
-        if lease_is_live(lease):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:              # held: its owner lives, in this container or another
+            os.close(fd)
             continue
-        region = lease_file.with_name(lease_file.name[: -len(".lease")])
-        with contextlib.suppress(FileNotFoundError):
-            region.unlink()
-            removed.append(region)
-        lease_file.unlink(missing_ok=True)
+        try:
+            region = lease_file.with_name(lease_file.name[: -len(".lease")])
+            with contextlib.suppress(FileNotFoundError):
+                region.unlink()
+                removed.append(region)
+            lease_file.unlink(missing_ok=True)
+        finally:
+            os.close(fd)
     return removed

@@ -359,13 +359,13 @@ class FilesystemTier(SecondaryTier):
         if self.max_bytes is None:
             return
         victims = []
-        with self._lock:
-            for ident in list(self._index):
-                if self._bytes <= self.max_bytes:
-                    break
-                if ident == keep:
+        with self._lock:               # O(evicted) per write: the LRU end of the index, no scan
+            while self._bytes > self.max_bytes and len(self._index) > 1:
+                ident, size = self._index.popitem(last=False)
+                if ident == keep:      # the page just written stays, even alone over quota
+                    self._index[ident] = size
                     continue
-                self._bytes -= self._index.pop(ident)
+                self._bytes -= size
                 victims.append(ident)
             self.stats["evictions"] += len(victims)
         for group, key in victims:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 
-import vllm
 from vllm.v1.kv_cache_interface import (
     AttentionSpec,
     KVCacheConfig,
@@ -20,7 +19,7 @@ from vllm.v1.kv_cache_interface import (
 
 from hybridkv.config import CacheConfig, load_config
 from hybridkv.core.errors import HybridKVError
-from hybridkv.core.identity import checkpoint_revision
+from hybridkv.core.identity import checkpoint_revision, software_versions
 from hybridkv.core.layout import Group, GroupKind, Layout
 
 # kv_connector_extra_config keys that belong to the integration, not to CacheConfig.
@@ -64,7 +63,7 @@ def layout_from_vllm(vllm_config, kv_cache_config: KVCacheConfig) -> Layout:
     return Layout(
         model=str(model.model), block_tokens=block, groups=tuple(groups),
         max_model_len=model.max_model_len, revision=model_revision(model), dtype=str(model.dtype),
-        tp_rank=0, tp_size=1, engine=f"vllm {vllm.__version__}")
+        tp_rank=0, tp_size=1, engine=software_versions("vllm", "torch"))
 
 
 def model_revision(model_config) -> str | None:
