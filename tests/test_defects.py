@@ -65,13 +65,17 @@ def test_redis_error_reply_on_read_is_a_miss(redis_url):
     tier.close()
 
 
-def test_prefill_exception_releases_the_request(tmp_path):
+def test_prefill_exception_releases_the_request(tmp_path, monkeypatch):
     with Engine("tiny-hybrid", CacheConfig(ram_dir=str(tmp_path), block_tokens=16)) as engine:
         prompt = list(range(3, 70))
         engine.generate(prompt, max_new_tokens=2)
-        bad = prompt + [10**9]                  # out of vocabulary: prefill raises
-        with pytest.raises(IndexError):
-            engine.generate(bad, max_new_tokens=2)
+
+        def out_of_memory(*args):               # what a real prefill may raise mid-request
+            raise RuntimeError("CPU out of memory")
+
+        monkeypatch.setattr(engine, "_prefill", out_of_memory)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            engine.generate(prompt + [5], max_new_tokens=2)   # a hit is pinned, then prefill fails
         assert engine.cache.pools._request_pins == {}
         for gid, pool in engine.cache.pools.pools.items():
             assert all(pool.refs_of(k) == 0 for k in pool.resident_keys()), gid

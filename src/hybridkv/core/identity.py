@@ -75,17 +75,6 @@ def software_versions(*packages: str) -> str:
     return ", ".join(parts)
 
 
-def tensors_digest(named_tensors) -> str:
-    """Digest of in-memory weights (the built-ins, whose weights are generated, not stored)."""
-    import torch
-
-    h = hashlib.sha256()
-    for name, tensor in named_tensors:
-        h.update(name.encode() + b"\0" + str(tensor.dtype).encode())
-        h.update(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy())
-    return "sha256:" + h.hexdigest()[:32]
-
-
 class _DigestMemo:
     """Per-file sha256 remembered across runs; a missing or unwritable memo only costs time."""
 

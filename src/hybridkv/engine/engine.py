@@ -19,9 +19,9 @@ from hybridkv.cache import TieredCache
 from hybridkv.config import CacheConfig
 from hybridkv.connector import Connector
 from hybridkv.core.errors import HybridKVError
-from hybridkv.core.identity import checkpoint_revision, software_versions, tensors_digest
+from hybridkv.core.identity import checkpoint_revision, software_versions
 from hybridkv.engine.hf_cache import ATTENTION_GROUP, STATE_GROUP, HFCacheAdapter
-from hybridkv.engine.models import BUILTINS, ByteTokenizer, load_model
+from hybridkv.engine.models import BUILTINS, ByteTokenizer, load_model, weights_digest
 from hybridkv.engine.pinning import default_pin_hook
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -71,7 +71,7 @@ class Engine:
         self.model_name = model if model in BUILTINS else Path(model).name
         self.model, tokenizer = load_model(model, DTYPES[dtype])
         self.tokenizer = tokenizer or ByteTokenizer()
-        revision = (tensors_digest(self.model.state_dict().items()) if model in BUILTINS
+        revision = (weights_digest(self.model) if model in BUILTINS
                     else checkpoint_revision(model))
         self.adapter = HFCacheAdapter(self.model, self.config.block_tokens, self.model_name, revision,
                                       engine=software_versions("transformers", "torch"))

@@ -6,6 +6,7 @@ built with ``torch.manual_seed(0)``, so two processes get the same weights and o
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,6 +83,15 @@ def build_builtin(name: str, dtype: torch.dtype = torch.float32):
     torch.manual_seed(0)
     model = getattr(transformers, spec.model_class)(config).to(dtype).eval()
     return model
+
+
+def weights_digest(model) -> str:
+    """Identity of in-memory weights (the built-ins', which are generated, not stored)."""
+    h = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        h.update(name.encode() + b"\0" + str(tensor.dtype).encode())
+        h.update(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy())
+    return "sha256:" + h.hexdigest()[:32]
 
 
 def load_model(name_or_path: str, dtype: torch.dtype = torch.float32):
