@@ -65,9 +65,10 @@ def test_reoffer_supersedes_the_pending_offer(cache):
     req = conn.begin("r", tokens(2 * B + 1, 9))
     conn.offer_state(req, 2 * B, {1: page(1, 7)})
     conn.offer_state(req, 2 * B, {1: page(1, 8)})           # same boundary, newer source
-    assert len(req.pending) == 1
+    assert len(req.pending) == 1 and conn.stats["offers_pending"] == 1
     cache.release(pins)
     conn.step(req)
+    assert conn.stats["offers_pending"] == 0
     assert np.array_equal(cache.acquire({1: [req.keys[1]]})[1][0], page(1, 8))
 
 
@@ -77,9 +78,10 @@ def test_offers_pending_at_finish_are_dropped_with_a_warning(cache, caplog):
     cache.acquire({1: [r.keys[1] for r in holders]})
     req = conn.begin("r", tokens(2 * B + 1, 9))
     conn.offer_state(req, 2 * B, {1: page(1, 9)})
+    assert conn.stats["offers_pending"] == 1
     with caplog.at_level(logging.WARNING):
         conn.finish(req)
-    assert not req.pending and conn.stats["offers_dropped"] == 1
+    assert not req.pending and conn.stats["offers_dropped"] == 1 and conn.stats["offers_pending"] == 0
     assert "could not take; dropped" in caplog.text
     assert conn.begin("again", tokens(2 * B + 1, 9)).hit_tokens == 0
 
@@ -101,3 +103,19 @@ def test_state_offers_follow_retention_and_caps(cache):
     assert [b for b in range(0, 6 * B, B) if conn.wants_state(req, b)] == []   # replay 5B is over the cap
     req = conn.begin("r2", tokens(5 * B + 3, 4))
     assert [b for b in range(0, 6 * B, B) if conn.wants_state(req, b)] == [5 * B]
+
+
+def test_misses_are_counted_per_tier(tmp_path):
+    from hybridkv.tiers.filesystem import FilesystemTier
+    from hybridkv.tools.metrics import to_prometheus
+
+    config = CacheConfig(block_tokens=B, ram_bytes=1024**2, ram_dir=str(tmp_path), store=str(tmp_path / "s"))
+    on_disk = FilesystemTier(tmp_path / "s", LAYOUT)
+    assert on_disk.write(0, b"d" * 16, page(0, 1))
+    on_disk.close()
+    with TieredCache(LAYOUT, config) as cache:
+        cache.store({0: [(b"r" * 16, page(0, 2))]})
+        assert cache.locate(0, [b"r" * 16, b"d" * 16, b"n" * 16]) == ["ram", "fs", None]
+        stats = cache.stats()
+    assert stats["tiers"]["ram"]["misses"] == 2 and stats["tiers"]["fs"]["misses"] == 1
+    assert 'hybridkv_tier_misses_total{tier="fs"} 1' in to_prometheus(stats)

@@ -39,6 +39,22 @@ def test_offload_block_larger_than_engine_block_refused_under_sparse():
     assert plan_pools(layout, 4 * GiB, None, engine_block_tokens=392).token_slots == 107
 
 
+def test_cache_start_up_refuses_the_same_sparse_mismatch(tmp_path):
+    """Not only 'plan': a cache configured this way never starts (DESIGN section 6)."""
+    from hybridkv.cache import TieredCache
+    from hybridkv.config import CacheConfig, load_config
+
+    layout = load_layout(LAYOUTS / "seed-flash-next.json")
+    config = load_config(overrides={"ram_bytes": "1GiB", "ram_dir": str(tmp_path), "retention": 0},
+                         environ={"HYBRIDKV_ENGINE_BLOCK_TOKENS": "392"})
+    with pytest.raises(HybridKVError, match="larger than the engine block 392"):
+        TieredCache(layout, config)
+    assert not list(tmp_path.iterdir())                # nothing was created
+    dense = CacheConfig(ram_bytes="1GiB", ram_dir=str(tmp_path), retention="dense", engine_block_tokens=392)
+    with TieredCache(layout, dense) as cache:
+        assert cache.plan.token_slots > 0
+
+
 @pytest.mark.parametrize("kwargs, fragment", [
     ({"budget_bytes": 1000}, "cannot hold one slot per cacheable group"),
     ({"reference_tokens": 100}, "shorter than one block"),

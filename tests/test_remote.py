@@ -169,6 +169,20 @@ def test_maxmemory_reached_skips_stores(tmp_path, policy):
         server.stop()
 
 
+def wait_for_cluster(ports: list[int], timeout_s: float = 30) -> None:
+    """Every node must see every node and all 16384 slots served, not just the first node:
+    a client routed to a node still joining gets MOVED/CLUSTERDOWN."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        infos = [redis.Redis(port=p).cluster("info") for p in ports]
+        if all(i.get("cluster_state") == "ok" and int(i.get("cluster_known_nodes", 0)) == len(ports)
+               and int(i.get("cluster_slots_ok", 0)) == 16384 for i in infos):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"redis cluster not ready after {timeout_s} s: {infos}")
+        time.sleep(0.1)
+
+
 def test_redis_cluster_with_chunked_pages(tmp_path):
     import subprocess
 
@@ -182,11 +196,7 @@ def test_redis_cluster_with_chunked_pages(tmp_path):
             nodes.append(server.start())
         subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in nodes],
                         "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=60)
-        client = redis.Redis(port=nodes[0].port)
-        for _ in range(100):
-            if client.cluster("info").get("cluster_state") == "ok":
-                break
-            time.sleep(0.1)
+        wait_for_cluster([n.port for n in nodes])
         tier = RemoteTier(f"{nodes[0].url}?cluster=true", LAYOUT, chunk_bytes=5000)
         assert tier.write_many([(1, key(i), page(1, i)) for i in range(12)])
         assert tier.contains_many(1, [key(i) for i in range(14)]) == [True] * 12 + [False] * 2

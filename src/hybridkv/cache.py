@@ -33,6 +33,7 @@ RAM = "ram"
 @dataclass
 class TierCounters:
     hits: int = 0
+    misses: int = 0        # keys looked up in the tier and not found there
     bytes_in: int = 0      # bytes stored into the tier
     bytes_out: int = 0     # bytes served from the tier
 
@@ -56,7 +57,8 @@ class TieredCache:
                  pin_hook: PinHook | None = None):
         self.layout, self.config = layout, config
         reference = config.reference_tokens or layout.max_model_len or 64 * layout.block_tokens
-        self.plan = plan or plan_pools(layout, config.ram_bytes, config.retention, reference)
+        self.plan = plan or plan_pools(layout, config.ram_bytes, config.retention, reference,
+                                       config.engine_block_tokens)
         self.pools = GroupedPools(self.plan.slots_per_group(), config.eviction)
         self.regions: dict[int, SharedRegion] = {}
         self.secondaries: list[SecondaryTier] = []
@@ -101,6 +103,7 @@ class TieredCache:
         """Tier name holding each key (RAM first), or None; secondary checks are batched."""
         pool = self.pools.pool(group)
         where: list[str | None] = [RAM if pool.lookup(k) is Lookup.HIT else None for k in keys]
+        self.counters[RAM].misses += where.count(None)
         for tier in self.secondaries:
             missing = [i for i, w in enumerate(where) if w is None]
             if not missing:
@@ -109,6 +112,7 @@ class TieredCache:
             for i, ok in zip(missing, found, strict=True):
                 if ok:
                     where[i] = tier.name
+            self.counters[tier.name].misses += len(missing) - sum(found)
         return where
 
     # -- loads ------------------------------------------------------------------------------

@@ -52,6 +52,7 @@ class CacheConfig:
     eviction: str = "lru"
     retention: int | None = 0
     reference_tokens: int | None = None
+    engine_block_tokens: int | None = None     # the serving engine's own block, when it has one
     ram_dir: str = "/dev/shm"
     store: str | None = None
     fs_bytes: int | None = None
@@ -80,6 +81,8 @@ class CacheConfig:
                 f"reference_tokens {self.reference_tokens} is shorter than one block "
                 f"({self.block_tokens}); use a typical request length"
             )
+        if self.engine_block_tokens is not None and self.engine_block_tokens <= 0:
+            raise HybridKVError(f"engine_block_tokens must be > 0, got {self.engine_block_tokens}")
         if self.durability not in DURABILITY:
             raise HybridKVError(f"durability {self.durability!r} is unknown; use none or fsync")
         if self.fs_bytes is not None and self.fs_bytes <= 0:
@@ -108,7 +111,7 @@ class CacheConfig:
 
 _FIELDS = {f.name: f for f in dataclasses.fields(CacheConfig)}
 _SIZE_FIELDS = ("ram_bytes", "fs_bytes")
-_INT_FIELDS = ("block_tokens", "reference_tokens", "remote_ttl_s")
+_INT_FIELDS = ("block_tokens", "reference_tokens", "engine_block_tokens", "remote_ttl_s")
 
 
 def _coerce(name: str, value):

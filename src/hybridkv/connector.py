@@ -58,7 +58,7 @@ class Connector:
         self.token_groups = [g.id for g in self.groups if g.is_token_group]
         self.state_groups = [g.id for g in self.groups if g.kind is GroupKind.STATE]
         self.stats = {"requests": 0, "hit_tokens": 0, "prompt_tokens": 0, "offers_retried": 0,
-                      "offers_dropped": 0, "pages_stored": 0}
+                      "offers_dropped": 0, "pages_stored": 0, "offers_pending": 0}
 
     # -- lookup and load --------------------------------------------------------------------
     def begin(self, request_id: str, tokens: Sequence[int], salt: str | None = None,
@@ -153,7 +153,9 @@ class Connector:
         self._offer(req, ("state", boundary), {gid: [(key, page)] for gid, page in pages.items()})
 
     def _offer(self, req: RequestState, ident: tuple[str, int], pages: dict) -> None:
-        req.pending[ident] = pages          # a re-offer supersedes the older one
+        if ident not in req.pending:        # a re-offer supersedes the older one
+            self.stats["offers_pending"] += 1
+        req.pending[ident] = pages
         self._try_store(req, ident)
 
     def _try_store(self, req: RequestState, ident: tuple[str, int]) -> bool:
@@ -161,6 +163,7 @@ class Connector:
         if not self.cache.store(pages):
             return False
         del req.pending[ident]
+        self.stats["offers_pending"] -= 1
         kind = "state" if ident[0] == "state" else "attention"
         req.stored[kind] += sum(len(v) for v in pages.values())
         self.stats["pages_stored"] += sum(len(v) for v in pages.values())
@@ -180,6 +183,7 @@ class Connector:
             log.warning("request %s finished with %d page offers RAM could not take; dropped",
                         req.request_id, len(req.pending))
             self.stats["offers_dropped"] += len(req.pending)
+            self.stats["offers_pending"] -= len(req.pending)
             req.pending.clear()
         self.release(req)
         self.cache.request_finished(req.request_id)

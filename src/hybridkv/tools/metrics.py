@@ -27,7 +27,8 @@ def to_prometheus(stats: dict, prefix: str = "hybridkv") -> str:
         emit(f"ram_{field}" + ("_total" if kind == "counter" else ""), kind, text,
              [({"group": gid, "kind": g["kind"]}, g[field]) for gid, g in groups.items()])
     tiers = stats.get("tiers", {})
-    for field, text in (("hits", "pages served from the tier"), ("bytes_in", "bytes stored into the tier"),
+    for field, text in (("hits", "pages served from the tier"),
+                        ("misses", "keys looked up in the tier and not found"), ("bytes_in", "bytes stored into the tier"),
                         ("bytes_out", "bytes served from the tier"), ("corrupt", "pages that failed verification"),
                         ("evictions", "pages evicted by the tier's quota"),
                         ("skipped_stores", "stores skipped while the tier was unavailable"),
@@ -36,6 +37,10 @@ def to_prometheus(stats: dict, prefix: str = "hybridkv") -> str:
              [({"tier": name}, t[field]) for name, t in tiers.items() if field in t])
     if "pending_writes" in stats:
         emit("pending_writes", "gauge", "write-through jobs not finished", [({}, stats["pending_writes"])])
-    for field, value in stats.get("connector", {}).items():
+    connector = dict(stats.get("connector", {}))
+    if "offers_pending" in connector:
+        emit("connector_offers_pending", "gauge", "page offers RAM has not taken yet",
+             [({}, connector.pop("offers_pending"))])
+    for field, value in connector.items():
         emit(f"connector_{field}_total", "counter", f"connector {field.replace('_', ' ')}", [({}, value)])
     return "\n".join(lines) + "\n"

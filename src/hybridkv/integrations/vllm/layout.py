@@ -84,4 +84,5 @@ def cache_config_from_extra(extra: dict, block_tokens: int) -> CacheConfig:
         raise HybridKVError(
             f"kv_connector_extra_config block_tokens={given} differs from vLLM's block size "
             f"{block_tokens}; leave block_tokens out (it follows --block-size)")
-    return load_config(overrides={**settings, "block_tokens": block_tokens})
+    return load_config(overrides={**settings, "block_tokens": block_tokens,
+                                  "engine_block_tokens": block_tokens})
