@@ -314,6 +314,10 @@ def run_bench(quick: bool = False, remote: str | None = None, manager_slots: int
     for policy in ("lru", "arc"):
         progress(f"manager: {policy} on {slots} slots")
         out["manager"][policy] = bench_manager.measure(slots, policy, repeats=3 if quick else 5)
+        progress(f"manager: vLLM's CPUOffloadingManager, {policy} on {slots} slots (if vLLM is at hand)")
+        peer = bench_manager.measure_vllm(slots, policy, repeats=3 if quick else 5)
+        if peer is not None:
+            out["manager"].setdefault("vllm", {})[policy] = peer
     progress("restore vs recompute")
     out["restore"] = bench_restore([1024, 4096] if quick else [1024, 4096, 16384], repeats=2 if quick else 3)
     progress("workload simulator")

@@ -1,16 +1,25 @@
-"""Manager operations per second on the pools issue's trace (shared with vLLM's figures).
+"""Manager operations per second on the pools issue's trace, for hybridkv's pool and, as its
+peer in the same run, vLLM's own ``CPUOffloadingManager`` when vLLM can be run.
 
 Keys are sha256(i as 8 LE bytes) + group 0 as 4 BE bytes; a pool of N slots is filled with
 2N keys first so every slot is evictable; timed traces run in chunks of 1,024 operations.
+vLLM lives in its own environment (``.venv-vllm``, see docs/vllm.md), so its side runs as
+``python -m hybridkv.tools.bench_manager N POLICY REPEATS`` under that interpreter.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import hashlib
+import json
+import os
 import random
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 from hybridkv.ram.grouped_pools import GroupedPools
 
@@ -21,28 +30,76 @@ def make_key(i: int) -> bytes:
     return hashlib.sha256(i.to_bytes(8, "little")).digest() + (0).to_bytes(4, "big")
 
 
-def _fresh_manager(n: int, policy: str) -> GroupedPools:
-    mgr = GroupedPools({0: n}, policy)
-    pool = mgr.pool(0)
+class _VLLMPool:
+    """vLLM's CPUOffloadingManager behind the pool calls the trace makes. Each chunk of 1,024
+    operations gets a fresh request context (vLLM tracks keys per request), and finished
+    requests are not reported, which spares vLLM that cost: the comparison favours vLLM."""
+
+    def __init__(self, n: int, policy: str):
+        from vllm.v1.kv_offload.base import LookupResult
+        from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+        self._mgr, self._hit = CPUOffloadingManager(n, policy), LookupResult.HIT
+        self._requests = 0
+        self.new_request()
+        self._filled: list[bytes] = []
+
+    def new_request(self):
+        from vllm.v1.kv_offload.base import ReqContext
+
+        self._requests += 1
+        ctx = ReqContext(f"bench-{self._requests}")
+        self._mgr.on_new_request(ctx)
+        # partials, not methods: the trace calls vLLM with no Python frame of ours in between
+        self.lookup = functools.partial(self._mgr.lookup, req_context=ctx)
+        self.touch = functools.partial(self._mgr.touch, req_context=ctx)
+        self.prepare_store = functools.partial(self._mgr.prepare_store, req_context=ctx)
+        self.complete_store = functools.partial(self._mgr.complete_store, req_context=ctx)
+
+    def fill(self, keys):
+        self.new_request()
+        out = self.prepare_store(keys)
+        self.complete_store(out.keys_to_store)
+        self._filled += keys
+
+    def resident_keys(self):
+        return [k for k in self._filled if self.lookup(k) is self._hit]
+
+
+class _HybridKVPool:
+    def __init__(self, n: int, policy: str):
+        self._pool = GroupedPools({0: n}, policy).pool(0)
+        self.lookup, self.touch = self._pool.lookup, self._pool.touch
+        self.prepare_store, self.complete_store = self._pool.prepare_store, self._pool.complete_store
+        self.resident_keys = self._pool.resident_keys
+
+    def new_request(self):
+        pass
+
+    def fill(self, keys):
+        self.complete_store(self.prepare_store(keys).keys)
+
+
+def _fresh_pool(n: int, policy: str, backend: str):
+    pool = (_VLLMPool if backend == "vllm" else _HybridKVPool)(n, policy)
     for start in range(0, 2 * n, CHUNK):
-        keys = [make_key(i) for i in range(start, min(2 * n, start + CHUNK))]
-        plan = pool.prepare_store(keys)
-        pool.complete_store(plan.keys)
-    return mgr
+        pool.fill([make_key(i) for i in range(start, min(2 * n, start + CHUNK))])
+    return pool
 
 
-def _timed_runs(ops: list, body) -> float:
+def _timed_runs(ops: list, body, pool) -> float:
     gc.collect()
     t = time.perf_counter()
     for start in range(0, len(ops), CHUNK):
+        pool.new_request()
         body(ops[start:start + CHUNK])
     return len(ops) / (time.perf_counter() - t)
 
 
-def measure(n: int = 1_000_000, policy: str = "lru", repeats: int = 5, seed: int = 0) -> dict:
+def measure(n: int = 1_000_000, policy: str = "lru", repeats: int = 5, seed: int = 0,
+            backend: str = "hybridkv") -> dict:
     """Median ops/s over ``repeats`` for lookup, store cycle and touch (GC on)."""
-    mgr = _fresh_manager(n, policy)
-    pool = mgr.pool(0)
+    pool = _fresh_pool(n, policy, backend)
     rng = random.Random(seed)
     next_key = 2 * n
     results: dict[str, list[float]] = {"lookup": [], "store": [], "touch": []}
@@ -54,13 +111,13 @@ def measure(n: int = 1_000_000, policy: str = "lru", repeats: int = 5, seed: int
             lookup = pool.lookup
             for k in chunk:
                 lookup(k)
-        results["lookup"].append(_timed_runs(sample, lookups))
+        results["lookup"].append(_timed_runs(sample, lookups, pool))
 
         def touches(chunk):
             touch = pool.touch
             for k in chunk:
                 touch([k])
-        results["touch"].append(_timed_runs(sample, touches))
+        results["touch"].append(_timed_runs(sample, touches, pool))
 
         new = [make_key(i) for i in range(next_key, next_key + n // 4)]
         next_key += n // 4
@@ -70,10 +127,37 @@ def measure(n: int = 1_000_000, policy: str = "lru", repeats: int = 5, seed: int
             for k in chunk:
                 prepare([k])
                 complete([k])
-        results["store"].append(_timed_runs(new, cycles))
+        results["store"].append(_timed_runs(new, cycles, pool))
     return {
         "lookup_ops_per_s": statistics.median(results["lookup"]),
         "store_cycles_per_s": statistics.median(results["store"]),
         "touch_ops_per_s": statistics.median(results["touch"]),
         "spread": {k: [min(v), max(v)] for k, v in results.items()},
     }
+
+
+def vllm_python() -> str | None:
+    """An interpreter that can import vLLM: this one, $HYBRIDKV_VLLM_PYTHON or ./.venv-vllm."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm"):
+        return sys.executable
+    candidate = os.environ.get("HYBRIDKV_VLLM_PYTHON") or str(Path(".venv-vllm/bin/python").resolve())
+    return candidate if os.access(candidate, os.X_OK) else None
+
+
+def measure_vllm(n: int, policy: str, repeats: int) -> dict | None:
+    """vLLM's manager on the same trace, in its own environment; None when vLLM is not at hand."""
+    python = vllm_python()
+    if python is None:
+        return None
+    proc = subprocess.run([python, "-m", "hybridkv.tools.bench_manager", str(n), policy, str(repeats)],
+                          capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        return {"error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
+    return {"python": python, **json.loads(proc.stdout.strip().splitlines()[-1])}
+
+
+if __name__ == "__main__":
+    slots, which, times = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    print(json.dumps(measure(slots, which, times, backend="vllm")))
