@@ -13,7 +13,7 @@ from hybridkv.core.layout import GroupKind
 from hybridkv.integrations.vllm.layout import cache_config_from_extra, layout_from_vllm
 
 
-def engine(block=128, tp=1, state_block=None, model="m"):
+def engine(block=128, tp=1, state_block=None, model="m", commit=None):
     attention = FullAttentionSpec(block_size=block, num_kv_heads=2, head_size=32, dtype=torch.float32)
     state = MambaSpec(block_size=state_block or block, shapes=((3, 128),), dtypes=(torch.float32,),
                       page_size_padded=attention.page_size_bytes, mamba_cache_mode="align")
@@ -22,7 +22,8 @@ def engine(block=128, tp=1, state_block=None, model="m"):
     config = SimpleNamespace(
         cache_config=SimpleNamespace(block_size=block),
         parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1),
-        model_config=SimpleNamespace(model=model, max_model_len=4096, revision=None, dtype=torch.float32))
+        model_config=SimpleNamespace(model=str(model), max_model_len=4096, revision=None, dtype=torch.float32,
+                                     hf_config=SimpleNamespace(_commit_hash=commit)))
     return config, kv
 
 
@@ -55,3 +56,16 @@ def test_extra_config_follows_vllm_block_size_and_refuses_another():
         cache_config_from_extra({"block_tokens": 64}, 128)
     with pytest.raises(HybridKVError, match="not a multiple"):
         cache_config_from_extra({"retention": 100}, 128)
+
+
+def test_revision_is_the_weights_identity_not_the_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    for name, weights in (("a", b"1" * 64), ("b", b"2" * 64)):
+        (tmp_path / name / "ckpt").mkdir(parents=True)
+        (tmp_path / name / "ckpt" / "config.json").write_text("{}")
+        (tmp_path / name / "ckpt" / "model.safetensors").write_bytes(weights)
+    a = layout_from_vllm(*engine(model=tmp_path / "a" / "ckpt"))
+    b = layout_from_vllm(*engine(model=tmp_path / "b" / "ckpt"))
+    assert a.revision.startswith("sha256:") and a.revision != b.revision
+    hub = layout_from_vllm(*engine(model="org/model", commit="c" * 40))
+    assert hub.revision == "c" * 40          # the commit "main" resolved to, not "main"

