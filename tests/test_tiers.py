@@ -73,6 +73,14 @@ def test_lease_cleanup_removes_killed_owners_region_only(tmp_path):
     survivor.wait()
 
 
+def test_region_space_is_committed_at_creation_not_at_first_write(tmp_path):
+    """A sparse region on a tmpfs that fills up later dies of SIGBUS; a committed one cannot."""
+    region = SharedRegion.create(tmp_path / "hybridkv-committed", 64, 65536)
+    st = os.stat(tmp_path / "hybridkv-committed")
+    assert st.st_blocks * 512 >= 64 * 65536
+    region.close()
+
+
 def test_pin_hooks_of_two_processes_never_overlap(tmp_path):
     """cudaHostRegister of one region from several ranks at once is what the flock prevents."""
     path, log = tmp_path / "hybridkv-pinned", tmp_path / "pin.log"

@@ -55,6 +55,7 @@ class CacheConfig:
     engine_block_tokens: int | None = None     # the serving engine's own block, when it has one
     ram_dir: str = "/dev/shm"
     store: str | None = None
+    store_mode: str = "private"                # "group": a store several users in one group share
     fs_bytes: int | None = None
     durability: str = "none"
     remote: str | None = None
@@ -83,6 +84,8 @@ class CacheConfig:
             )
         if self.engine_block_tokens is not None and self.engine_block_tokens <= 0:
             raise HybridKVError(f"engine_block_tokens must be > 0, got {self.engine_block_tokens}")
+        if self.store_mode not in ("private", "group"):
+            raise HybridKVError(f"store_mode {self.store_mode!r} is unknown; use private or group")
         if self.durability not in DURABILITY:
             raise HybridKVError(f"durability {self.durability!r} is unknown; use none or fsync")
         if self.fs_bytes is not None and self.fs_bytes <= 0:

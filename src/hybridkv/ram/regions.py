@@ -89,10 +89,18 @@ class SharedRegion:
                 f"RAM region {path} needs {size} B but {path.parent} has {free} B free; "
                 "lower ram_bytes or point ram_dir at a larger tmpfs"
             )
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         region = None
         try:
-            os.ftruncate(fd, size)
+            os.fchmod(fd, 0o600)
+            try:
+                # Commit the space now: a sparse file on a tmpfs that fills up later would kill
+                # the engine with SIGBUS at the first write into an uncommitted page.
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                raise HybridKVError(
+                    f"RAM region {path} needs {size} B that {path.parent} cannot provide "
+                    f"({e.strerror}); lower ram_bytes or point ram_dir at a larger tmpfs") from None
             region = cls(path, slots, page_bytes, fd, owner=True)
             if pin_hook is not None:
                 region.run_pin_hook(pin_hook, rank)
@@ -111,7 +119,7 @@ class SharedRegion:
         """Map a region another process created; its size must match."""
         path = Path(path)
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         except OSError as e:
             raise HybridKVError(f"cannot attach RAM region {path}: {e.strerror}") from None
         actual = os.fstat(fd).st_size

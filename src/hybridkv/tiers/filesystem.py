@@ -32,6 +32,7 @@ from hybridkv.ram.regions import process_start_time
 from hybridkv.tiers import pagefile
 from hybridkv.tiers.base import SecondaryTier, register_tier
 from hybridkv.tiers.io_queue import READ, WRITE, IOQueue
+from hybridkv.tiers.store_dirs import StoreDirs
 
 log = logging.getLogger(__name__)
 ALIGN = 4096
@@ -64,15 +65,15 @@ def page_path(namespace: Path, group: int, key: bytes) -> Path:
     return namespace / f"g{group}" / hexkey[:2] / f"{hexkey}.blk"
 
 
-def quarantine(namespace: Path, path: Path) -> bool:
+def quarantine(namespace: Path, path: Path, dirs: StoreDirs | None = None) -> bool:
     """Move a bad page aside; False when the store does not let us (it is still never served)."""
     qdir = namespace / QUARANTINE
     try:
-        qdir.mkdir(exist_ok=True)
+        (dirs or StoreDirs()).ensure(qdir)
         os.replace(path, qdir / f"{path.parent.parent.name}-{path.name}.{time.time_ns()}")
     except FileNotFoundError:
         pass
-    except OSError:
+    except (OSError, HybridKVError):
         return False
     return True
 
@@ -114,23 +115,27 @@ class FilesystemTier(SecondaryTier):
     name = "fs"
 
     def __init__(self, root: str | Path, layout: Layout, max_bytes: int | None = None,
-                 durability: str = "none", direct: bool | None = None, threads: int = 4):
-        self.root = Path(root)
+                 durability: str = "none", direct: bool | None = None, threads: int = 4,
+                 mode: str = "private"):
+        self.root = Path(root).absolute()
         self.layout = layout
         self.namespace = self.root / layout.fingerprint()
         self.max_bytes = max_bytes
         self.fsync = durability == "fsync"
         self.read_only = False
+        self.dirs = StoreDirs(mode)
         try:
-            self.namespace.mkdir(parents=True, exist_ok=True)
+            self.dirs.ensure(self.root)
+        except OSError as e:
+            raise HybridKVError(
+                f"store directory {self.root} cannot be created ({e.strerror}); choose another --store"
+            ) from None
+        try:
+            self.dirs.ensure(self.namespace)
             if not os.access(self.namespace, os.W_OK):
                 raise PermissionError(errno.EACCES, "permission denied")
             self._write_manifest()
         except OSError as e:
-            if not self.root.is_dir():
-                raise HybridKVError(
-                    f"store directory {self.root} cannot be created ({e.strerror}); choose another --store"
-                ) from None
             self.read_only = True
             log.warning("store %s is read-only (%s): serving the pages that verify, storing none",
                         self.root, e.strerror)
@@ -154,6 +159,7 @@ class FilesystemTier(SecondaryTier):
         if path.exists():
             return
         fd, tmp = tempfile.mkstemp(dir=self.namespace, prefix=f".{MANIFEST}.", suffix=".tmp")
+        os.fchmod(fd, self.dirs.file_mode)
         with os.fdopen(fd, "w") as out:       # an unpredictable, freshly created name: no symlink games
             json.dump({"format": pagefile.VERSION, "fingerprint": self.layout.fingerprint(),
                        "model": self.layout.model, "layout": self.layout.to_dict()}, out, indent=2)
@@ -169,6 +175,9 @@ class FilesystemTier(SecondaryTier):
                 group = int(gdir.name[1:])
             except ValueError:
                 continue
+            self.dirs.check(gdir)
+            for sub in gdir.iterdir():
+                self.dirs.check(sub)
             for entry in gdir.glob("*/*"):
                 name = entry.name
                 if name.endswith(".tmp"):
@@ -225,7 +234,7 @@ class FilesystemTier(SecondaryTier):
             self._forget(group, key)
             return False
         except pagefile.CorruptPage as e:
-            moved = not self.read_only and quarantine(self.namespace, path)
+            moved = not self.read_only and quarantine(self.namespace, path, self.dirs)
             log.warning("%s corrupt page %s: %s", "quarantined" if moved else "skipped", path, e)
             self._forget(group, key)
             if not moved:
@@ -301,11 +310,11 @@ class FilesystemTier(SecondaryTier):
         header = pagefile.make_header(group, key, payload)
         tmp = path.with_name(f".{path.stem}.{os.getpid()}.{self._start}.{threading.get_ident()}.tmp")
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            self.dirs.ensure(path.parent)
             if self.direct:
                 self._write_direct(tmp, header, payload)
             else:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                fd = self.dirs.create_file(tmp)
                 try:
                     write_all(fd, [header, payload])
                     if self.fsync:
@@ -319,7 +328,7 @@ class FilesystemTier(SecondaryTier):
                     os.fsync(dir_fd)
                 finally:
                     os.close(dir_fd)
-        except OSError as e:
+        except (OSError, HybridKVError) as e:   # HybridKVError: a directory is not safe to use
             with contextlib.suppress(OSError):
                 tmp.unlink()
             self._write_failed(path, e)
@@ -342,7 +351,7 @@ class FilesystemTier(SecondaryTier):
         buf = self._aligned(want)
         buf[: len(header)] = header
         buf[len(header):want] = data
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        fd = self.dirs.create_file(tmp, os.O_DIRECT)
         try:
             with memoryview(buf) as view:
                 write_all(fd, [view[:padded]])
@@ -371,13 +380,14 @@ class FilesystemTier(SecondaryTier):
         for group, key in victims:
             page_path(self.namespace, group, key).unlink(missing_ok=True)
 
-    def _write_failed(self, path: Path, error: OSError) -> None:
+    def _write_failed(self, path: Path, error: OSError | HybridKVError) -> None:
         """One log line per kind of failure, not one per page; a store gone read-only stays so."""
         with self._lock:
             self.stats["write_errors"] += 1
-            first = error.errno not in self._write_errnos
-            self._write_errnos.add(error.errno)
-            if error.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            code = getattr(error, "errno", None)
+            first = code not in self._write_errnos
+            self._write_errnos.add(code)
+            if code in (errno.EROFS, errno.EACCES, errno.EPERM):
                 self.read_only = True
         if first:
             log.warning("filesystem tier could not write %s: %s (further such failures are counted "
@@ -408,4 +418,4 @@ def _open_page(path: Path, flags: int) -> int:
 
 
 register_tier("fs", "store", lambda root, layout, config: FilesystemTier(
-    root, layout, config.fs_bytes, config.durability))
+    root, layout, config.fs_bytes, config.durability, mode=config.store_mode))
