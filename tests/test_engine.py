@@ -45,7 +45,7 @@ def test_restore_from_ram_and_disk_is_bit_identical(name, tmp_path):
         assert same_logits(cold, warm)
 
 
-@pytest.mark.parametrize("name", ["tiny-hybrid", "tiny-granite-hybrid"])
+@pytest.mark.parametrize("name", sorted(BUILTINS))
 def test_bfloat16_restore_is_bit_identical(name, tmp_path):
     ids = prompt(3 * B + 5, seed=3)
     cfg = CacheConfig(block_tokens=B, store=str(tmp_path))
@@ -54,6 +54,28 @@ def test_bfloat16_restore_is_bit_identical(name, tmp_path):
         engine.generate(ids, 4)
         warm = engine.generate(ids, 4)
     assert warm.hit_tokens == 3 * B and same_logits(cold, warm)
+
+
+def test_attention_only_model_has_one_group_and_restores_bit_identical(tmp_path):
+    """No state group at all: every block boundary is a hit point (no replay boundary rule)."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                      max_position_embeddings=4096)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    ids = prompt(3 * B + 5, seed=12)
+    cfg = CacheConfig(block_tokens=B, store=str(tmp_path / "store"))
+    cold = Engine(str(tmp_path / "llama"), cfg, use_cache=False).generate(ids, 4)
+    with Engine(str(tmp_path / "llama"), cfg) as engine:
+        assert [g.kind.value for g in engine.layout.groups] == ["attention"]
+        engine.generate(ids, 4)
+        warm = engine.generate(ids, 4)
+    with Engine(str(tmp_path / "llama"), cfg) as restarted:
+        disk = restarted.generate(ids, 4)
+    assert warm.hit_tokens == disk.hit_tokens == 3 * B
+    assert same_logits(cold, warm) and same_logits(cold, disk)
 
 
 def test_hit_at_replay_boundary_when_prompt_is_block_aligned(tmp_path):
