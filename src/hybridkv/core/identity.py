@@ -50,10 +50,10 @@ def checkpoint_revision(path: str | Path) -> str:
         return commit
     files = identity_files(path)
     memo = _DigestMemo.load()
-    total = sum(f.stat().st_size for f in files)
-    if total > 1024**3 and not all(memo.get(f) for f in files):
+    to_hash = sum(f.stat().st_size for f in files if memo.get(f) is None)
+    if to_hash > 1024**3:
         log.warning("hashing %.1f GB of weights in %s once, to name its cache namespace",
-                    total / 1024**3, path)
+                    to_hash / 1024**3, path)
     h = hashlib.sha256()
     for f in files:
         h.update(f.name.encode() + b"\0" + memo.digest(f).encode() + b"\0")
