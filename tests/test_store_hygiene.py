@@ -5,6 +5,7 @@ import errno
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 
@@ -14,7 +15,7 @@ from hybridkv.tiers import filesystem
 from hybridkv.tiers.admin import gc_store, inspect_store, verify_store
 from hybridkv.tiers.filesystem import FilesystemTier, page_path
 
-from conftest import run_cli
+from conftest import assert_one_line_error, run_cli
 from helpers.tier_worker import LAYOUT, key, page
 
 
@@ -82,6 +83,42 @@ def test_admin_commands_skip_dangling_links_and_directories_named_blk(tmp_path):
     proc = run_cli("inspect", "--store", tmp_path / "store", "--json")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["total_bytes"] == 0
+
+
+def test_admin_commands_never_enter_a_symlinked_namespace_or_group(tmp_path):
+    outside = tmp_path / "outside"
+    tier = FilesystemTier(outside, LAYOUT, direct=False)
+    assert tier.write(0, key(1), page(0, 1)) and tier.write(1, key(2), page(1, 2))
+    tier.close()
+    before = {p: p.read_bytes() for p in outside.rglob("*") if p.is_file()}
+    store = tmp_path / "store"
+    ours = FilesystemTier(store, LAYOUT, direct=False)
+    ours.close()
+    (store / ("f" * 4)).symlink_to(tier.namespace)             # a namespace that is a link
+    (ours.namespace / "g1").symlink_to(tier.namespace / "g1")  # a group that is a link
+    assert_one_line_error(run_cli("gc", "--store", store, "--max-bytes", "0", "--json"), "g1 is a symlink")
+    os.unlink(ours.namespace / "g1")
+    assert inspect_store(store)["total_bytes"] == 0
+    assert gc_store(store, 0, progress=False)["removed_files"] == 0
+    assert verify_store(store, progress=False)["checked"] == 0
+    assert {p: p.read_bytes() for p in outside.rglob("*") if p.is_file()} == before
+
+
+def test_directories_an_older_version_left_readable_are_tightened(tmp_path):
+    store = tmp_path / "store"
+    tier = FilesystemTier(store, LAYOUT, direct=False)
+    assert tier.write(0, key(1), page(0, 1))
+    tier.close()
+    _make_writable(store)                                 # what the old code left: 0755 / 0644
+    os.chmod(page_path(tier.namespace, 0, key(1)).parent, 0o555)   # a deliberately read-only one
+    again = FilesystemTier(store, LAYOUT, direct=False)
+    out = np.empty(LAYOUT.group(0).page_bytes, np.uint8)
+    assert again.read(0, key(1), out) and np.array_equal(out, page(0, 1))
+    again.close()
+    found = {p: stat.S_IMODE(p.lstat().st_mode) for p in [store, *store.rglob("*")] if p.is_dir()}
+    assert found.pop(store) == 0o755                      # the root may hold other things: left
+    assert found.pop(page_path(tier.namespace, 0, key(1)).parent) == 0o500   # only bits removed
+    assert set(found.values()) == {0o700}, found
 
 
 def _as_unprivileged():

@@ -25,13 +25,13 @@ NOBODY = 65534
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as a second user")
 
 
-def as_other_user(fn) -> None:
-    """Run ``fn`` in a forked child as uid/gid nobody; fail the test if it fails there."""
+def as_other_user(fn, groups=()) -> None:
+    """Run ``fn`` in a forked child as uid/gid nobody (in ``groups``); fail the test if it fails there."""
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
-            os.setgroups([])
+            os.setgroups(list(groups))
             os.setgid(NOBODY)
             os.setuid(NOBODY)
             fn()
@@ -182,3 +182,46 @@ def test_planted_symlinks_at_temp_names_clobber_nothing(tmp_path):
     assert all(v.read_bytes() == b"precious" * 1000 for v in victims)
     assert stat.S_ISREG(os.lstat(namespace / MANIFEST).st_mode)
     assert json.loads((namespace / MANIFEST).read_text())["fingerprint"] == LAYOUT.fingerprint()
+
+
+def test_admin_commands_keep_a_group_stores_rules(shared_dir):
+    """verify and gc read the mode from the store's root: a group store written by two users is
+    checked and collected as a whole, its quarantine made group-shared; a private store with
+    another user's namespace in it is refused."""
+    store = shared_dir / "group-store"
+    tier = FilesystemTier(store, LAYOUT, mode="group")
+    assert tier.write(0, key(1), page(0, 1))
+    tier.close()
+
+    def write_as_group_member():
+        other = FilesystemTier(store, LAYOUT, mode="group")
+        assert other.write(1, key(2), page(1, 2)) and other.write(0, key(3), page(0, 3))
+        other.close()
+
+    as_other_user(write_as_group_member, groups=[os.getegid()])
+    theirs = page_path(tier.namespace, 0, key(3))
+    assert os.lstat(theirs).st_uid == NOBODY
+    with open(theirs, "r+b") as f:              # damage the other user's page
+        f.seek(-1, os.SEEK_END)
+        f.write(b"\x00" if f.read(1) != b"\x00" else b"\x01")
+    proc = run_cli("verify", "--store", store, "--json")
+    assert proc.returncode == 1, proc.stderr
+    assert json.loads(proc.stdout) == {"checked": 3, "ok": 2, "corrupt": 1, "quarantined": 1}
+    assert stat.S_IMODE(os.lstat(tier.namespace / "quarantine").st_mode) == 0o2770
+    proc = run_cli("gc", "--store", store, "--max-bytes", "0", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["removed_files"] == 2
+
+    private = shared_dir / "private-store"
+    FilesystemTier(private, LAYOUT).close()
+    os.chmod(private, 0o755)
+
+    def plant_namespace():
+        ns = private / "f00d"
+        ns.mkdir(mode=0o755)
+        (ns / MANIFEST).write_text("{}")
+
+    os.chmod(private, 0o777)
+    as_other_user(plant_namespace)
+    os.chmod(private, 0o755)
+    assert_one_line_error(run_cli("verify", "--store", private), f"{private / 'f00d'} belongs to nobody")

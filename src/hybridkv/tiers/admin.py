@@ -1,7 +1,9 @@
 """Offline care of a filesystem store: ``inspect``, ``verify`` and ``gc``.
 
 These work on any store directory without knowing the model: namespaces are found by
-their manifest, groups and keys by their paths, and every page checks itself.
+their manifest, groups and keys by their paths, and every page checks itself. They apply
+the engine's rules for who may have written a store (``store_dirs``), with the store's mode
+read from its root, and never follow a symlink out of it.
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from hybridkv.core.errors import HybridKVError
 from hybridkv.tiers import pagefile
-from hybridkv.tiers.filesystem import MANIFEST, QUARANTINE, quarantine
+from hybridkv.tiers.filesystem import MANIFEST, QUARANTINE, open_page, quarantine
+from hybridkv.tiers.store_dirs import StoreDirs, existing_store_mode
 
 
 class Progress:
@@ -37,26 +39,40 @@ class Progress:
             sys.stderr.flush()
 
 
-def _namespaces(store: Path) -> list[tuple[Path, dict]]:
-    if not store.is_dir():
-        raise HybridKVError(f"store directory {store} does not exist; check --store")
+def _is_dir(path: Path) -> bool:
+    return stat.S_ISDIR(path.lstat().st_mode)
+
+
+def open_store(store: str | Path) -> tuple[StoreDirs, list[tuple[Path, dict]]]:
+    """The store's directory rules and its namespaces (with their manifests), checked."""
+    store = Path(store).absolute()
+    dirs = StoreDirs(store, existing_store_mode(store))
+    dirs.check(store)
     found = []
-    for manifest in sorted(store.glob(f"*/{MANIFEST}")):
+    for ns in sorted(store.iterdir()):
+        if not _is_dir(ns) or not os.path.lexists(ns / MANIFEST):
+            continue
+        dirs.check(ns)
         try:
-            found.append((manifest.parent, json.loads(manifest.read_text())))
-        except (OSError, ValueError):
-            found.append((manifest.parent, {}))
-    return found
+            fd = open_page(ns / MANIFEST, os.O_RDONLY)
+            with os.fdopen(fd) as f:
+                found.append((ns, json.load(f)))
+        except (OSError, ValueError, pagefile.CorruptPage):
+            found.append((ns, {}))
+    return dirs, found
 
 
-def _pages(namespace: Path) -> Iterator[tuple[int, Path, os.stat_result]]:
-    """Regular page files with their own stat; a symlink or directory named ``*.blk`` is not
-    a page, and following it could read or delete outside the store."""
+def _pages(namespace: Path, dirs: StoreDirs) -> Iterator[tuple[int, Path, os.stat_result]]:
+    """Regular page files with their own stat, in checked directories; a symlink or directory
+    named ``*.blk`` is not a page, and following it could read or delete outside the store."""
     for gdir in sorted(namespace.glob("g*")):
         try:
             group = int(gdir.name[1:])
         except ValueError:
             continue
+        dirs.check(gdir)                 # a link or foreign directory is refused, as at open
+        for sub in gdir.iterdir():
+            dirs.check(sub)
         for path in gdir.glob("*/*.blk"):
             try:
                 st = path.lstat()
@@ -67,18 +83,18 @@ def _pages(namespace: Path) -> Iterator[tuple[int, Path, os.stat_result]]:
 
 
 def inspect_store(store: str | Path) -> dict:
-    store = Path(store)
+    dirs, namespaces = open_store(store)
     out = {"total_bytes": 0, "namespaces": []}
-    for ns, manifest in _namespaces(store):
+    for ns, manifest in namespaces:
         kinds = {g["id"]: g["kind"] for g in manifest.get("layout", {}).get("groups", [])}
         groups: dict[int, dict] = {}
-        for group, _, st in _pages(ns):
+        for group, _, st in _pages(ns, dirs):
             g = groups.setdefault(group, {"id": group, "kind": kinds.get(group, "unknown"),
                                           "files": 0, "bytes": 0})
             g["files"] += 1
             g["bytes"] += st.st_size
         qdir = ns / QUARANTINE
-        quarantined = sum(1 for _ in qdir.iterdir()) if qdir.is_dir() else 0
+        quarantined = sum(1 for _ in qdir.iterdir()) if os.path.lexists(qdir) and _is_dir(qdir) else 0
         total = sum(g["bytes"] for g in groups.values())
         out["total_bytes"] += total
         out["namespaces"].append({
@@ -90,28 +106,29 @@ def inspect_store(store: str | Path) -> dict:
 
 def verify_store(store: str | Path, progress: bool = True) -> dict:
     """Check every page file; corrupt ones are moved to quarantine."""
-    pages = [(ns, g, p) for ns, _ in _namespaces(Path(store)) for g, p, _ in _pages(ns)]
+    dirs, namespaces = open_store(store)
+    pages = [(ns, g, p) for ns, _ in namespaces for g, p, _ in _pages(ns, dirs)]
     bar = Progress(len(pages), "verifying", progress)
     result = {"checked": 0, "ok": 0, "corrupt": 0, "quarantined": 0}
     for ns, group, path in pages:
         result["checked"] += 1
         try:
-            blob = path.read_bytes()
-            pagefile.decode(blob, group, bytes.fromhex(path.stem))
+            with os.fdopen(open_page(path, os.O_RDONLY), "rb") as f:
+                pagefile.decode(f.read(), group, bytes.fromhex(path.stem))
             result["ok"] += 1
         except (OSError, ValueError, pagefile.CorruptPage):
             result["corrupt"] += 1
-            quarantine(ns, path)
-            result["quarantined"] += 1
+            result["quarantined"] += quarantine(ns, path, dirs)
         bar.step()
     return result
 
 
 def gc_store(store: str | Path, max_bytes: int, progress: bool = True) -> dict:
     """Remove least recently used page files (by mtime) until the store fits ``max_bytes``."""
+    dirs, namespaces = open_store(store)
     files = []
-    for ns, _ in _namespaces(Path(store)):
-        for _, path, st in _pages(ns):
+    for ns, _ in namespaces:
+        for _, path, st in _pages(ns, dirs):
             files.append((st.st_mtime_ns, st.st_size, path))
     files.sort()
     total = sum(size for _, size, _ in files)

@@ -65,11 +65,11 @@ def page_path(namespace: Path, group: int, key: bytes) -> Path:
     return namespace / f"g{group}" / hexkey[:2] / f"{hexkey}.blk"
 
 
-def quarantine(namespace: Path, path: Path, dirs: StoreDirs | None = None) -> bool:
+def quarantine(namespace: Path, path: Path, dirs: StoreDirs) -> bool:
     """Move a bad page aside; False when the store does not let us (it is still never served)."""
     qdir = namespace / QUARANTINE
     try:
-        (dirs or StoreDirs()).ensure(qdir)
+        dirs.ensure(qdir)
         os.replace(path, qdir / f"{path.parent.parent.name}-{path.name}.{time.time_ns()}")
     except FileNotFoundError:
         pass
@@ -123,7 +123,7 @@ class FilesystemTier(SecondaryTier):
         self.max_bytes = max_bytes
         self.fsync = durability == "fsync"
         self.read_only = False
-        self.dirs = StoreDirs(mode)
+        self.dirs = StoreDirs(self.root, mode)
         try:
             self.dirs.ensure(self.root)
         except OSError as e:
@@ -132,6 +132,8 @@ class FilesystemTier(SecondaryTier):
             ) from None
         try:
             self.dirs.ensure(self.namespace)
+            if os.statvfs(self.namespace).f_flag & os.ST_RDONLY:
+                raise OSError(errno.EROFS, "read-only file system")
             if not os.access(self.namespace, os.W_OK):
                 raise PermissionError(errno.EACCES, "permission denied")
             self._write_manifest()
@@ -261,7 +263,7 @@ class FilesystemTier(SecondaryTier):
 
     def _read_buffered(self, path: Path, group: int, key: bytes, out: np.ndarray) -> None:
         header = bytearray(pagefile.HEADER_BYTES)
-        with open(_open_page(path, os.O_RDONLY), "rb", buffering=0) as f:
+        with open(open_page(path, os.O_RDONLY), "rb", buffering=0) as f:
             size = os.fstat(f.fileno()).st_size
             if size != pagefile.HEADER_BYTES + out.nbytes:
                 raise pagefile.CorruptPage(f"file has {size} bytes, expected {pagefile.HEADER_BYTES + out.nbytes}")
@@ -272,7 +274,7 @@ class FilesystemTier(SecondaryTier):
 
     def _read_direct(self, path: Path, group: int, key: bytes, out: np.ndarray) -> None:
         want = pagefile.HEADER_BYTES + out.nbytes
-        fd = _open_page(path, os.O_RDONLY | os.O_DIRECT)
+        fd = open_page(path, os.O_RDONLY | os.O_DIRECT)
         try:
             size = os.fstat(fd).st_size
             if size != want:
@@ -407,7 +409,7 @@ class FilesystemTier(SecondaryTier):
         return [self.contains(group, k) for k in keys]
 
 
-def _open_page(path: Path, flags: int) -> int:
+def open_page(path: Path, flags: int) -> int:
     """Open a page file itself, never what a symlink in its place points to."""
     try:
         return os.open(path, flags | os.O_NOFOLLOW)
