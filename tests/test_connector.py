@@ -7,7 +7,7 @@ import pytest
 
 from hybridkv.cache import TieredCache
 from hybridkv.config import CacheConfig
-from hybridkv.connector import Connector
+from hybridkv.connector import Connector, _StateLookup
 
 from helpers.tier_worker import LAYOUT, page
 
@@ -119,3 +119,73 @@ def test_misses_are_counted_per_tier(tmp_path):
         stats = cache.stats()
     assert stats["tiers"]["ram"]["misses"] == 2 and stats["tiers"]["fs"]["misses"] == 1
     assert 'hybridkv_tier_misses_total{tier="fs"} 1' in to_prometheus(stats)
+
+
+def _eager_hit(cache, conn, ids):
+    """The hit rule over every key located in every tier: what the lazy lookup must equal."""
+    from hybridkv.core.keys import block_hashes
+    from hybridkv.core.retention import compute_hit
+
+    keys = block_hashes(ids, B)
+    cap = (len(ids) - 1) // B
+    where = {g.id: cache.locate(g.id, keys[:cap]) for g in conn.groups}
+    return compute_hit(conn.groups, len(ids), B, lambda gid, b: where[gid][b] is not None)
+
+
+def test_state_keys_reach_the_disk_only_when_ram_lacks_them(tmp_path):
+    """A prompt wholly in RAM asks the filesystem tier nothing (not one stat per state block);
+    after a restart the deepest state is found on disk with a handful of lookups."""
+    from hybridkv.tiers.filesystem import FilesystemTier
+
+    ids = tokens(40 * B + 5, 3)
+    config = CacheConfig(block_tokens=B, ram_bytes=8 * 1024**2, ram_dir=str(tmp_path), reference_tokens=64 * B)
+    fs = FilesystemTier(tmp_path / "s", LAYOUT, direct=False)
+    with TieredCache(LAYOUT, config, secondaries=[fs]) as cache:
+        conn = Connector(cache)
+        req = conn.begin("fill", ids)
+        for b in range(40):
+            conn.offer_block(req, b, {0: page(0, b)})
+        conn.offer_state(req, 40 * B, {1: page(1, 40)})
+        conn.finish(req)
+        before = fs.stats["disk_lookups"]
+        req = conn.begin("again", ids)
+        assert req.hit_tokens == 40 * B and fs.stats["disk_lookups"] == before
+        conn.finish(req)
+    fs.close()
+    fs = FilesystemTier(tmp_path / "s", LAYOUT, direct=False)    # a new process: RAM empty
+    with TieredCache(LAYOUT, config, secondaries=[fs]) as cache:
+        conn = Connector(cache)
+        req = conn.begin("restart", ids)
+        assert req.hit_tokens == 40 * B and req.where[1][39] == "fs"
+        assert fs.stats["disk_lookups"] < _StateLookup.FIRST_BATCH
+        assert np.array_equal(conn.load(req)[1][0], page(1, 40))
+        conn.finish(req)
+    fs.close()
+
+
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_lazy_state_lookup_finds_the_hit_an_eager_one_finds(tmp_path, seed):
+    """Random pages in RAM, only on disk or nowhere, states at random boundaries: same hit."""
+    from hybridkv.tiers.filesystem import FilesystemTier
+
+    rng = np.random.default_rng(seed)
+    n_blocks = int(rng.integers(2, 60))
+    ids = tokens(n_blocks * B + 1, 100 + seed)
+    config = CacheConfig(block_tokens=B, ram_bytes=8 * 1024**2, ram_dir=str(tmp_path), reference_tokens=64 * B)
+    fs = FilesystemTier(tmp_path / "s", LAYOUT, direct=False)
+    with TieredCache(LAYOUT, config, secondaries=[fs]) as cache:
+        conn = Connector(cache)
+        keys = conn.begin("keys", ids).keys
+        for b in range(n_blocks):
+            for gid, odds in ((0, [0.45, 0.5, 0.05]), (1, [0.1, 0.2, 0.7])):
+                where = rng.choice(["ram", "fs", "none"], p=odds)
+                if where == "ram":                             # (written through to disk too)
+                    assert cache.store({gid: [(keys[b], page(gid, b))]})
+                elif where == "fs":
+                    assert fs.write(gid, keys[b], page(gid, b))
+        cache.poll()
+        expected = _eager_hit(cache, conn, ids)
+        assert conn.begin("lazy", ids).hit == expected
+    fs.close()

@@ -99,11 +99,22 @@ class TieredCache:
         self.pools.touch(wanted)
 
     # -- where is a page? -------------------------------------------------------------------
-    def locate(self, group: int, keys: Sequence[bytes]) -> list[str | None]:
-        """Tier name holding each key (RAM first), or None; secondary checks are batched."""
+    def locate(self, group: int, keys: Sequence[bytes], secondary: bool = True) -> list[str | None]:
+        """Tier name holding each key (RAM first), or None. ``secondary=False`` asks RAM only,
+        for callers that consult the slower tiers about a few keys later (``locate_below_ram``)."""
         pool = self.pools.pool(group)
         where: list[str | None] = [RAM if pool.lookup(k) is Lookup.HIT else None for k in keys]
         self.counters[RAM].misses += where.count(None)
+        if secondary:
+            missing = [i for i, w in enumerate(where) if w is None]
+            below = self.locate_below_ram(group, [keys[i] for i in missing])
+            for i, tier in zip(missing, below, strict=True):
+                where[i] = tier
+        return where
+
+    def locate_below_ram(self, group: int, keys: Sequence[bytes]) -> list[str | None]:
+        """The secondary tier holding each key (the fastest wins), one batch per tier."""
+        where: list[str | None] = [None] * len(keys)
         for tier in self.secondaries:
             missing = [i for i, w in enumerate(where) if w is None]
             if not missing:

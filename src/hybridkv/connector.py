@@ -46,6 +46,30 @@ class RequestState:
         return self.hit.junction
 
 
+class _StateLookup:
+    """States exist only at the boundaries some request kept, and the hit rule walks down from
+    its candidate until it finds one, so the slower tiers are asked about a state key only
+    when RAM lacks it and the rule reaches it: in batches ending at the asked block, doubling
+    (one round trip for the usual deepest-state hit, a logarithmic number for a miss)."""
+
+    FIRST_BATCH = 4
+
+    def __init__(self, cache: TieredCache, gid: int, keys: list[bytes], where: list[str | None]):
+        self.cache, self.gid, self.keys, self.where = cache, gid, keys, where
+        self.asked = [w is not None for w in where]      # RAM already answered these
+        self.batch = self.FIRST_BATCH
+
+    def present(self, block: int) -> bool:
+        if not self.asked[block]:
+            lo = max(0, block - self.batch + 1)
+            todo = [b for b in range(lo, block + 1) if not self.asked[b]]
+            for b, tier in zip(todo, self.cache.locate_below_ram(self.gid, [self.keys[b] for b in todo]),
+                               strict=True):
+                self.where[b], self.asked[b] = tier, True
+            self.batch *= 2
+        return self.where[block] is not None
+
+
 class Connector:
     MAX_LOAD_ATTEMPTS = 3
 
@@ -81,15 +105,22 @@ class Connector:
     def _find_hit(self, req: RequestState) -> Hit:
         cap = max(0, (req.n_tokens - 1) // self.B)
         local = min(req.local_blocks, cap)
-        where = {}
+        where, lazy = {}, {}
         for g in self.groups:   # token pages the engine holds are not looked up in any tier
             skip = local if g.is_token_group else 0
-            where[g.id] = [None] * skip + self.cache.locate(g.id, req.keys[skip:cap])
+            state = g.kind is GroupKind.STATE
+            where[g.id] = [None] * skip + self.cache.locate(g.id, req.keys[skip:cap], secondary=not state)
+            if state:
+                lazy[g.id] = _StateLookup(self.cache, g.id, req.keys, where[g.id])
         req.where = where
         token_groups = set(self.token_groups)
-        return compute_hit(self.groups, req.n_tokens, self.B,
-                           lambda gid, block: where[gid][block] is not None
-                           or (block < local and gid in token_groups))
+
+        def present(gid: int, block: int) -> bool:
+            if gid in lazy:
+                return lazy[gid].present(block)
+            return where[gid][block] is not None or (block < local and gid in token_groups)
+
+        return compute_hit(self.groups, req.n_tokens, self.B, present)
 
     def hit_blocks(self, req: RequestState) -> dict[int, range]:
         """Blocks the hit loads: token groups every block the engine does not hold, state

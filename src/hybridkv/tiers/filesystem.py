@@ -149,7 +149,7 @@ class FilesystemTier(SecondaryTier):
         self._local = threading.local()            # per-thread aligned buffer for O_DIRECT
         self.stats = {"reads": 0, "read_bytes": 0, "writes": 0, "write_bytes": 0,
                       "corrupt": 0, "read_errors": 0, "write_errors": 0, "evictions": 0,
-                      "orphans_removed": 0}
+                      "orphans_removed": 0, "disk_lookups": 0}
         self._write_errnos: set[int] = set()      # failure kinds already logged
         self._bad: set = set()                     # corrupt pages we could not move aside
         self._scan()
@@ -211,6 +211,7 @@ class FilesystemTier(SecondaryTier):
                 return True
             if ident in self._bad:
                 return False
+            self.stats["disk_lookups"] += 1       # not indexed: maybe another process wrote it
         size = regular_size(page_path(self.namespace, group, key))
         if size is None:
             return False

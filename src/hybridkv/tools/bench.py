@@ -241,6 +241,56 @@ def bench_hashing(tokens: int = 65536, block_tokens: int = 64, repeats: int = 20
             "spread_ms": [min(seconds) * 1000, max(seconds) * 1000]}
 
 
+def bench_hit_lookup(lengths: tuple[int, ...] = (16384, 131072), repeats: int = 20) -> list[dict]:
+    """``Connector.begin`` on a prompt held wholly in RAM, with a filesystem tier attached vs
+    without one (the ceiling): the disk must not be asked about what RAM already answers."""
+    from hybridkv.cache import TieredCache
+    from hybridkv.connector import Connector
+    from hybridkv.tiers.filesystem import FilesystemTier
+
+    B = 64
+    layout = layout_from_dict({"model": "bench-hit", "block_tokens": B, "max_model_len": 1 << 20,
+                               "groups": [{"id": 0, "kind": "attention", "page_bytes": 4096},
+                                          {"id": 1, "kind": "state", "page_bytes": 65536}]})
+    rows = []
+    for n in lengths:
+        ids = np.random.default_rng(n).integers(0, 150_000, n).tolist()
+        store = tempfile.mkdtemp(prefix="hybridkv-bench-hit-")
+        config = CacheConfig(block_tokens=B, ram_bytes=(n // B) * 4096 + 64 * 65536, reference_tokens=n)
+        fs = FilesystemTier(store, layout, direct=False)
+        timings = {}
+        try:
+            for name, secondaries in (("ram_only", []), ("with_fs", [fs])):
+                with TieredCache(layout, config, secondaries=secondaries) as cache:
+                    conn = Connector(cache)
+                    req = conn.begin("fill", ids)
+                    page0, page1 = np.zeros(4096, np.uint8), np.zeros(65536, np.uint8)
+                    for b in range(len(req.keys)):
+                        if conn.wants_block(req, b):
+                            conn.offer_block(req, b, {0: page0})
+                        if conn.wants_state(req, (b + 1) * B):
+                            conn.offer_state(req, (b + 1) * B, {1: page1})
+                    conn.finish(req)
+                    before = fs.stats["disk_lookups"]
+                    seconds = []
+                    for i in range(repeats):
+                        t = time.perf_counter()
+                        req = conn.begin(f"r{i}", ids)
+                        seconds.append(time.perf_counter() - t)
+                        assert req.hit_tokens > 0
+                        conn.finish(req)
+                    timings[name] = statistics.median(seconds)
+                    timings[f"{name}_disk_lookups"] = (fs.stats["disk_lookups"] - before) / repeats
+        finally:
+            fs.close()
+            shutil.rmtree(store, ignore_errors=True)
+        rows.append({"prompt_tokens": n, "ram_only_ms": timings["ram_only"] * 1000,
+                     "with_fs_ms": timings["with_fs"] * 1000,
+                     "ratio": timings["with_fs"] / timings["ram_only"],
+                     "disk_lookups_per_request": timings["with_fs_disk_lookups"]})
+    return rows
+
+
 # -- 3. restore vs recompute ------------------------------------------------------------------
 def bench_restore(lengths: list[int], model: str = "tiny-hybrid", repeats: int = 3) -> list[dict]:
     """Cold TTFT vs restore from RAM (same process) and from disk (fresh engine, empty RAM)."""
