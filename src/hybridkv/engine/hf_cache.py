@@ -125,18 +125,23 @@ class HFCacheAdapter:
         """A fresh cache holding ``len(attention_pages)`` blocks and the state at their end."""
         cache = self.new_cache()
         if attention_pages:
-            # one gather of every page, then one rearranging copy per tensor:
-            # [n, 1, heads, B, dim] -> [1, heads, n * B, dim]
-            pages = torch.from_numpy(np.stack(attention_pages))
             n = len(attention_pages)
+            rows = [np.asarray(page) for page in attention_pages]
             by_layer: dict[int, dict[str, torch.Tensor]] = {}
             for p in self.attention_parts:
+                # one copy, from every page's slot straight into the final [1, heads, n*B, dim]
+                # tensor, seen as bytes [heads, n, B*dim*size] (pages hold [heads, B, dim])
                 _, heads, block, dim = p.shape
-                blocks = pages[:, p.offset:p.offset + p.nbytes].view(p.dtype).view(n, heads, block, dim)
-                by_layer.setdefault(p.layer, {})[p.name] = (
-                    blocks.permute(1, 0, 2, 3).reshape(1, heads, n * block, dim))
+                tensor = torch.empty((1, heads, n * block, dim), dtype=p.dtype)
+                dest = tensor.view(torch.uint8).numpy().reshape(heads, n, p.nbytes // heads)
+                np.stack([row[p.offset:p.offset + p.nbytes].reshape(heads, -1) for row in rows],
+                         axis=1, out=dest)
+                by_layer.setdefault(p.layer, {})[p.name] = tensor
             for layer, kv in by_layer.items():
-                cache.update(kv["k"], kv["v"], layer)
+                # transformers concatenates onto what a layer holds (a second copy): initialize
+                # the layer through its own update with no tokens, then hand it our tensors
+                cache.update(kv["k"][:, :, :0], kv["v"][:, :, :0], layer)
+                cache.layers[layer].keys, cache.layers[layer].values = kv["k"], kv["v"]
         if state_page is not None and self.state_parts:
             page = torch.from_numpy(np.asarray(state_page))
             for p in self.state_parts:     # conv first: it marks the layer as having state

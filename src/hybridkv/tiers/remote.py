@@ -58,7 +58,21 @@ def split_cluster_flag(url: str) -> tuple[str, bool]:
     return urlunsplit(parts._replace(query=rest)), cluster
 
 
-def connect(url: str, timeout_s: float):
+def _python_packer(pools) -> None:
+    """Keep hiredis for replies (GETs 1.6-2.1x faster) but pack commands with redis-py's own
+    packer: hiredis's copies every payload (``bytes(memoryview)``), which made 4 MiB SETs 4x
+    slower; the Python one sends the RAM slot's memoryview as it is."""
+    from redis import connection
+    from redis._parsers.encoders import Encoder
+
+    if not getattr(connection, "HIREDIS_AVAILABLE", False) or not hasattr(connection, "PythonRespSerializer"):
+        return
+    packer = connection.PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
+    for pool in pools:
+        pool.connection_kwargs.setdefault("command_packer", packer)
+
+
+def connect(url: str, timeout_s: float, python_packer: bool = True):
     """A client for ``url``; ``?cluster=true`` gives a cluster client."""
     redis = _redis()
     kwargs = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
@@ -68,10 +82,16 @@ def connect(url: str, timeout_s: float):
         if cluster:
             from redis.cluster import RedisCluster
 
-            return RedisCluster.from_url(clean, **kwargs)
-        return redis.Redis.from_url(clean, **kwargs)
+            client = RedisCluster.from_url(clean, **kwargs)
+            pools = [n.redis_connection.connection_pool for n in client.get_nodes() if n.redis_connection]
+        else:
+            client = redis.Redis.from_url(clean, **kwargs)
+            pools = [client.connection_pool]
     except (ValueError, redis.RedisError) as e:
         raise HybridKVError(f"remote URL {masked(url)} is unusable: {e}") from None
+    if python_packer:
+        _python_packer(pools)
+    return client
 
 
 class RemoteTier(SecondaryTier):

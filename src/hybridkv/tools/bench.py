@@ -172,26 +172,36 @@ def _dd(directory: Path, block: int, count: int) -> float | None:
 
 
 def bench_remote(url: str, page_bytes: int = MiB, pages: int = 64, repeats: int = 3) -> dict:
-    """Batched pipelines vs naive per-key SET/GET vs redis-benchmark, same value size."""
+    """Batched pipelines vs naive per-key SET/GET vs redis-benchmark, same value size; with
+    hiredis installed, also with its own command packer (what redis-py does by default)."""
     import redis
+    from redis.utils import HIREDIS_AVAILABLE
 
-    from hybridkv.tiers.remote import RemoteTier
+    from hybridkv.tiers.remote import RemoteTier, connect
 
     layout = _page_layout(page_bytes)
     data = np.random.default_rng(2).integers(0, 256, (pages, page_bytes), dtype=np.uint8)
-    tier = RemoteTier(url, layout, prefix="hybridkv-bench", timeout_s=10)
+    tiers = {"": RemoteTier(url, layout, prefix="hybridkv-bench", timeout_s=10)}
+    if HIREDIS_AVAILABLE:
+        tiers["hiredis_packer_"] = RemoteTier(url, layout, prefix="hybridkv-bench", timeout_s=10)
+        tiers["hiredis_packer_"].client = connect(url, 10, python_packer=False)
     client = redis.Redis.from_url(url, socket_timeout=10)
     keys = [i.to_bytes(16, "big") for i in range(pages)]
     outs = [np.empty(page_bytes, np.uint8) for _ in range(pages)]
-    runs = {"set": [], "get": [], "naive_set": [], "naive_get": []}
-    for _ in range(repeats):
-        t = time.perf_counter()
+    runs = {f"{name}{op}": [] for name in tiers for op in ("set", "get")}
+    runs.update({"naive_set": [], "naive_get": []})
+    for tier in tiers.values():       # untimed: the server's first allocation of the values
         tier.write_many([(0, k, data[i]) for i, k in enumerate(keys)])
-        runs["set"].append(_gbps(data.nbytes, time.perf_counter() - t))
-        t = time.perf_counter()
-        ok = tier.read_many([(0, k, outs[i]) for i, k in enumerate(keys)])
-        runs["get"].append(_gbps(data.nbytes, time.perf_counter() - t))
-        assert all(ok)
+        tier.read_many([(0, k, outs[i]) for i, k in enumerate(keys)])
+    for _ in range(repeats):
+        for name, tier in tiers.items():
+            t = time.perf_counter()
+            tier.write_many([(0, k, data[i]) for i, k in enumerate(keys)])
+            runs[f"{name}set"].append(_gbps(data.nbytes, time.perf_counter() - t))
+            t = time.perf_counter()
+            ok = tier.read_many([(0, k, outs[i]) for i, k in enumerate(keys)])
+            runs[f"{name}get"].append(_gbps(data.nbytes, time.perf_counter() - t))
+            assert all(ok)
         t = time.perf_counter()
         for i in range(pages):
             client.set(f"hybridkv-bench-naive:{i}", data[i].tobytes())
@@ -202,30 +212,34 @@ def bench_remote(url: str, page_bytes: int = MiB, pages: int = 64, repeats: int 
         runs["naive_get"].append(_gbps(data.nbytes, time.perf_counter() - t))
     for name in client.scan_iter(match="hybridkv-bench*"):
         client.delete(name)
-    tier.close()
+    for tier in tiers.values():
+        tier.close()
     med = {k: statistics.median(v) for k, v in runs.items()}
-    return {"page_bytes": page_bytes, "set_gbps": med["set"], "get_gbps": med["get"],
-            "naive_set_gbps": med["naive_set"], "naive_get_gbps": med["naive_get"],
+    return {"page_bytes": page_bytes, "hiredis": HIREDIS_AVAILABLE,
+            **{f"{k}_gbps": v for k, v in med.items()},
             "redis_benchmark": _redis_benchmark(url, page_bytes),
             "spread": {k: [min(v), max(v)] for k, v in runs.items()}}
 
 
 def _redis_benchmark(url: str, value_bytes: int) -> dict | None:
+    """The server's own client, pipelined, with about 2 GB per command: the wire ceiling."""
     from urllib.parse import urlsplit
 
     if shutil.which("redis-benchmark") is None:
         return None
     parts = urlsplit(url)
+    requests = max(1000, 2 * 10**9 // value_bytes)
     proc = subprocess.run(
         ["redis-benchmark", "-h", parts.hostname or "127.0.0.1", "-p", str(parts.port or 6379),
-         "-t", "set,get", "-n", "200", "-d", str(value_bytes), "-P", "16", "-q", "--csv"],
-        capture_output=True, text=True, timeout=120)
-    out = {}
+         "-t", "set,get", "-n", str(requests), "-d", str(value_bytes), "-c", "4", "-P", "16",
+         "-q", "--csv"],
+        capture_output=True, text=True, timeout=300)
+    out = {"requests": requests}
     for line in proc.stdout.splitlines():
         cells = [c.strip('"') for c in line.split(",")]
         if cells and cells[0] in ("SET", "GET"):
             out[f"{cells[0].lower()}_gbps"] = float(cells[1]) * value_bytes / GB
-    return out or None
+    return out if len(out) > 1 else None
 
 
 def bench_hashing(tokens: int = 65536, block_tokens: int = 64, repeats: int = 20) -> dict:
@@ -312,6 +326,7 @@ def bench_restore(lengths: list[int], model: str = "tiny-hybrid", repeats: int =
             for _ in range(repeats):
                 with Engine(model, config) as engine:
                     disks.append(engine.generate(ids, 4))
+            ceilings = _same_pages_ceilings(Path(store))
         finally:
             shutil.rmtree(store, ignore_errors=True)
         cold_digest = colds[0].logits_digest
@@ -327,8 +342,38 @@ def bench_restore(lengths: list[int], model: str = "tiny-hybrid", repeats: int =
             "ram_restore_gbps": _gbps(rams[0].restored_bytes, ram_restore),
             "fs_restore_gbps": _gbps(disks[0].restored_bytes, fs_restore),
             "identical": all(r.logits_digest == cold_digest for r in rams + disks + colds),
+            **ceilings,
         })
     return rows
+
+
+def _same_pages_ceilings(store: Path, repeats: int = 5) -> dict:
+    """Ceilings over the very page files the restores read (same sizes, same count): each read
+    raw into one buffer, and the same bytes copied page by page in memory."""
+    files = sorted(store.rglob("*.blk"))
+    sizes = [f.stat().st_size for f in files]
+    buf = bytearray(max(sizes))
+    src, dst = np.ones(sum(sizes), np.uint8), np.empty(sum(sizes), np.uint8)
+    bounds = np.cumsum([0, *sizes])
+
+    def raw_read() -> float:
+        t = time.perf_counter()
+        for f in files:
+            fd = os.open(f, os.O_RDONLY)
+            os.readv(fd, [buf])
+            os.close(fd)
+        return time.perf_counter() - t
+
+    def copy() -> float:
+        t = time.perf_counter()
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+            np.copyto(dst[a:b], src[a:b])
+        return time.perf_counter() - t
+
+    total = sum(sizes)
+    return {"pages_on_disk": len(files), "page_bytes_on_disk": sorted(set(sizes)),
+            "raw_read_same_pages_gbps": _gbps(total, _median(raw_read, repeats)[0]),
+            "memcpy_same_pages_gbps": _gbps(total, _median(copy, repeats)[0])}
 
 
 # -- 4. simulator -----------------------------------------------------------------------------
@@ -359,6 +404,8 @@ def run_bench(quick: bool = False, remote: str | None = None, manager_slots: int
                          bench_remote(remote, MiB, 64, repeats=3 if quick else 5)]
     progress("block-key hashing")
     out["hashing"] = bench_hashing()
+    progress("hit lookup with a filesystem tier attached vs RAM only")
+    out["hit_lookup"] = bench_hit_lookup(repeats=10 if quick else 20)
     slots = manager_slots or (100_000 if quick else 1_000_000)
     out["manager"] = {"slots": slots}
     for policy in ("lru", "arc"):
