@@ -33,6 +33,27 @@ def test_round_trip_batched_and_checked(redis_url):
     tier.close()
 
 
+def test_commands_carry_the_slot_itself_even_with_hiredis(redis_url):
+    """hiredis (a dependency of the redis extra) parses replies; its command packer would copy
+    every payload, so commands are packed by redis-py's, which passes the memoryview through."""
+    from redis.utils import HIREDIS_AVAILABLE
+
+    assert HIREDIS_AVAILABLE                      # installed with hybridkv[redis] / [dev]
+    tier = RemoteTier(redis_url, LAYOUT)
+    payload = memoryview(page(1, 2))
+    pool = tier.client.connection_pool
+    conn = pool.get_connection()
+    try:
+        packed = conn.pack_command("SET", "k", payload)
+    finally:
+        pool.release(conn)
+    assert any(chunk is payload for chunk in packed)
+    assert tier.write(1, key(2), page(1, 2))
+    out = np.empty(LAYOUT.group(1).page_bytes, np.uint8)
+    assert tier.read(1, key(2), out) and np.array_equal(out, page(1, 2))
+    tier.close()
+
+
 def test_large_pages_are_chunked_within_one_slot(redis_url):
     tier = RemoteTier(redis_url, LAYOUT, chunk_bytes=5000)
     names = tier.page_keys(1, key(3))
