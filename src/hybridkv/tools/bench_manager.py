@@ -142,7 +142,7 @@ def vllm_python() -> str | None:
 
     if importlib.util.find_spec("vllm"):
         return sys.executable
-    candidate = os.environ.get("HYBRIDKV_VLLM_PYTHON") or str(Path(".venv-vllm/bin/python").resolve())
+    candidate = os.environ.get("HYBRIDKV_VLLM_PYTHON") or str(Path(".venv-vllm/bin/python").absolute())   # not resolve(): that leaves the venv
     return candidate if os.access(candidate, os.X_OK) else None
 
 

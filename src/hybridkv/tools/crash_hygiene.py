@@ -310,6 +310,19 @@ def markdown(rows: list[dict], loops: int) -> str:
            f"Measured by `python -m hybridkv.tools.crash_hygiene --loops {loops}` "
            "(real processes, real files, a real tmpfs and redis-server). "
            "`ok` is the verdict of the rules in the tool's docstring.", "",
+           "- *acked writes*: pages a writer's `write` reported stored before it was killed; "
+           "*acked pages lost* counts those missing at the next start (a kill -9 is a process "
+           "crash: the kernel keeps what was written, so nothing acknowledged may vanish).",
+           "- *corrupt served*: a page read back as a hit whose bytes differ from what was written; "
+           "*phantom hits*: pages the index holds that cannot be read; *corrupt detected*: pages "
+           "that failed their checksum and were quarantined instead of served.",
+           "- *orphans reclaimed*: temp files of killed writers removed by the next start; "
+           "*temp files left* after it.",
+           "- RAM regions: each clean exit must leave `ram_dir` empty; a kill -9 leaves its region "
+           "and lease, which the next start reaps (only after taking the dead owner's lock).",
+           "- Full disk / read-only: every request's logits equal a cold run's (sha256 digests), "
+           "with one log line. Frozen Redis: *max extra ttft* is the worst TTFT over a cold run "
+           "of the same prompt once the server stopped answering.", "",
            "| scenario | figures | ok |", "|---|---|---|"]
     for row in rows:
         figures = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in row.items()
