@@ -12,6 +12,13 @@ def _r(x, digits=2):
     return "-" if x is None else f"{x:.{digits}f}"
 
 
+def _table(add, title: str, header: str, align: str) -> None:
+    """A section title, then a Markdown table's header row and alignment row."""
+    add(f"### {title}\n")
+    add(header)
+    add(align)
+
+
 def manager_table(mg: dict) -> list[str]:
     """hybridkv's pool and, where it ran, vLLM's manager on the same trace, with ratios."""
     lines: list[str] = []
@@ -60,29 +67,27 @@ def tables(res: dict) -> str:
     add(f"\n`dd oflag=direct` with the same block size: {_r(fs.get('dd_write_gbps'))} GB/s write. "
         "Buffered reads come from the page cache (the pages were just written).\n")
     if "remote" in res:
-        add("### Remote tier (Redis on loopback)\n")
-        add("| value size | | SET GB/s | GET GB/s |")
-        add("|---|---|---:|---:|")
+        _table(add, "Remote tier (Redis on loopback)", "| value size | | SET GB/s | GET GB/s |", "|---|---|---:|---:|")
         for r in res["remote"]:
-            size = f"{r['page_bytes'] // 1024} KiB"
             rb = r.get("redis_benchmark") or {}
-            add(f"| {size} | hybridkv (pipelined batches, checked, copied into the slot) | "
-                f"{_r(r['set_gbps'])} | {_r(r['get_gbps'])} |")
+            rows = [("hybridkv (pipelined batches, checked, copied into the slot)", r["set_gbps"], r["get_gbps"])]
             if "hiredis_packer_set_gbps" in r:
-                add(f"| {size} | the same with hiredis's own command packer (redis-py's default) | "
-                    f"{_r(r['hiredis_packer_set_gbps'])} | {_r(r['hiredis_packer_get_gbps'])} |")
-            add(f"| {size} | naive per-key redis-py calls | {_r(r['naive_set_gbps'])} | {_r(r['naive_get_gbps'])} |")
-            add(f"| {size} | redis-benchmark -c 4 -P 16, {rb.get('requests', '?')} requests | "
-                f"{_r(rb.get('set_gbps'))} | {_r(rb.get('get_gbps'))} |")
+                rows.append(("the same with hiredis's own command packer (redis-py's default)",
+                             r["hiredis_packer_set_gbps"], r["hiredis_packer_get_gbps"]))
+            rows += [("naive per-key redis-py calls", r["naive_set_gbps"], r["naive_get_gbps"]),
+                     (f"redis-benchmark -c 4 -P 16, {rb.get('requests', '?')} requests",
+                      rb.get("set_gbps"), rb.get("get_gbps"))]
+            for label, set_gbps, get_gbps in rows:
+                add(f"| {r['page_bytes'] // 1024} KiB | {label} | {_r(set_gbps)} | {_r(get_gbps)} |")
             if rb.get("set_gbps") and rb.get("get_gbps"):
-                add(f"| {size} | ratio hybridkv / redis-benchmark | {r['set_gbps'] / rb['set_gbps']:.2f}x | "
-                    f"{r['get_gbps'] / rb['get_gbps']:.2f}x |")
+                add(f"| {r['page_bytes'] // 1024} KiB | ratio hybridkv / redis-benchmark | "
+                    f"{r['set_gbps'] / rb['set_gbps']:.2f}x | {r['get_gbps'] / rb['get_gbps']:.2f}x |")
         add(f"\nhiredis installed: {'yes' if res['remote'][0].get('hiredis') else 'no'} "
             "(it parses replies; commands go through redis-py's packer, which sends the RAM slot as it is).\n")
     if "hit_lookup" in res:
-        add("### Hit lookup: `Connector.begin` on a prompt held in RAM, filesystem tier attached vs not\n")
-        add("| prompt tokens | RAM only ms | with fs ms | ratio | disk lookups per request |")
-        add("|---:|---:|---:|---:|---:|")
+        _table(add, "Hit lookup: `Connector.begin` on a prompt held in RAM, filesystem tier attached vs not",
+               "| prompt tokens | RAM only ms | with fs ms | ratio | disk lookups per request |",
+               "|---:|---:|---:|---:|---:|")
         for row in res["hit_lookup"]:
             add(f"| {row['prompt_tokens']:,} | {_r(row['ram_only_ms'], 3)} | {_r(row['with_fs_ms'], 3)} | "
                 f"{row['ratio']:.2f}x | {row['disk_lookups_per_request']:.0f} |")
