@@ -107,7 +107,8 @@ def tables(res: dict) -> str:
             f"{row['restored_bytes'] / 1e6:.1f} | {_r(row['ram_restore_gbps'])} / {_r(row['fs_restore_gbps'])} | "
             f"{'yes' if row['identical'] else 'NO'} |")
     if all("raw_read_same_pages_gbps" in row for row in res["restore"]):
-        add("\nCeilings over the very page files each restore read (same sizes, same count), same run:\n")
+        add("\nCeilings over the very page files each restore read (same sizes, same count), same run; "
+            f"raw reads {res['restore'][0].get('raw_read_mode', 'buffered')} with 4 threads, as the tier reads:\n")
         add("| prompt tokens | pages | page bytes | memcpy GB/s | RAM restore / memcpy | raw read GB/s | "
             "disk restore / raw read |")
         add("|---:|---:|---|---:|---:|---:|---:|")
