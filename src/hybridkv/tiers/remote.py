@@ -99,7 +99,7 @@ class RemoteTier(SecondaryTier):
 
     def __init__(self, url: str, layout: Layout, prefix: str = "hybridkv", ttl_s: int | None = None,
                  timeout_s: float = 0.5, threads: int = 2, chunk_bytes: int = CHUNK_BYTES,
-                 clock=time.monotonic):
+                 clock=time.monotonic, python_packer: bool = True):
         self.url = url
         self.clock = clock              # the outage breaker's time source (tests inject one)
         self.layout = layout
@@ -107,7 +107,7 @@ class RemoteTier(SecondaryTier):
         self.ttl_ms = int(ttl_s * 1000) if ttl_s else None
         self.chunk_bytes = chunk_bytes
         self._redis = _redis()
-        self.client = connect(url, timeout_s)
+        self.client = connect(url, timeout_s, python_packer)
         self._lock = threading.Lock()
         self._down_until = 0.0
         self._backoff = BACKOFF_START_S

@@ -177,14 +177,14 @@ def bench_remote(url: str, page_bytes: int = MiB, pages: int = 64, repeats: int 
     import redis
     from redis.utils import HIREDIS_AVAILABLE
 
-    from hybridkv.tiers.remote import RemoteTier, connect
+    from hybridkv.tiers.remote import RemoteTier
 
     layout = _page_layout(page_bytes)
     data = np.random.default_rng(2).integers(0, 256, (pages, page_bytes), dtype=np.uint8)
     tiers = {"": RemoteTier(url, layout, prefix="hybridkv-bench", timeout_s=10)}
     if HIREDIS_AVAILABLE:
-        tiers["hiredis_packer_"] = RemoteTier(url, layout, prefix="hybridkv-bench", timeout_s=10)
-        tiers["hiredis_packer_"].client = connect(url, 10, python_packer=False)
+        tiers["hiredis_packer_"] = RemoteTier(url, layout, prefix="hybridkv-bench", timeout_s=10,
+                                              python_packer=False)
     client = redis.Redis.from_url(url, socket_timeout=10)
     keys = [i.to_bytes(16, "big") for i in range(pages)]
     outs = [np.empty(page_bytes, np.uint8) for _ in range(pages)]
