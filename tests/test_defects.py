@@ -17,6 +17,7 @@ from hybridkv.tiers import filesystem
 from hybridkv.tiers.filesystem import FilesystemTier, page_path
 from hybridkv.tiers.remote import RemoteTier, split_cluster_flag
 
+from helpers import TESTS
 from helpers.tier_worker import LAYOUT, key, page
 
 
@@ -91,7 +92,7 @@ def test_unclosed_cache_leaves_no_ram_files(tmp_path):
         print(len(os.listdir({str(tmp_path)!r})))
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          cwd="tests", timeout=120)
+                          cwd=TESTS, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert int(proc.stdout) > 0                 # regions existed while it ran
     assert list(tmp_path.iterdir()) == []       # and are gone after exit without close()

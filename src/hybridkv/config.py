@@ -10,7 +10,7 @@ import dataclasses
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -45,23 +45,31 @@ def parse_retention(value) -> int | None:
     return value
 
 
+def setting(default, help: str):
+    """A config field; ``help`` is its documentation and the text of its CLI flag."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class CacheConfig:
-    block_tokens: int = 64
-    ram_bytes: int = 256 * 1024**2
-    eviction: str = "lru"
-    retention: int | None = 0
-    reference_tokens: int | None = None
-    engine_block_tokens: int | None = None     # the serving engine's own block, when it has one
-    ram_dir: str = "/dev/shm"
-    store: str | None = None
-    store_mode: str = "private"                # "group": a store several users in one group share
-    fs_bytes: int | None = None
-    durability: str = "none"
-    remote: str | None = None
-    remote_prefix: str = "hybridkv"
-    remote_ttl_s: int | None = None
-    remote_timeout_s: float = 0.5
+    """Every setting of the cache. The CLI makes one ``--flag`` per field, the environment one
+    ``HYBRIDKV_<FIELD>``; all of them are validated here and nowhere else."""
+
+    block_tokens: int = setting(64, "tokens per block (default 64)")
+    ram_bytes: int = setting(256 * 1024**2, "RAM tier budget per worker, e.g. 4GiB (default 256MiB)")
+    eviction: str = setting("lru", f"RAM eviction policy: {' or '.join(POLICIES)} (default lru)")
+    retention: int | None = setting(0, "recurrent states kept: dense, 0 (semantic, default) or an interval in tokens")
+    reference_tokens: int | None = setting(None, "typical request length the pools are sized for (default: the model's maximum)")
+    engine_block_tokens: int | None = setting(None, "the serving engine's own block size, when it has one (checked against block_tokens)")
+    ram_dir: str = setting("/dev/shm", "directory of the shared RAM regions, a tmpfs (default /dev/shm)")
+    store: str | None = setting(None, "filesystem tier directory (persistent, survives restarts)")
+    store_mode: str = setting("private", "private (default) or group: a store several users of one group share")
+    fs_bytes: int | None = setting(None, "filesystem tier quota, e.g. 20GiB (default: unbounded)")
+    durability: str = setting("none", "none (default) or fsync: every page on stable storage before it counts")
+    remote: str | None = setting(None, "Redis/Valkey URL of a shared remote tier, e.g. redis://host:6379/0")
+    remote_prefix: str = setting("hybridkv", "key prefix in the remote tier (default hybridkv)")
+    remote_ttl_s: int | None = setting(None, "seconds a remote page lives (default: until Redis evicts it)")
+    remote_timeout_s: float = setting(0.5, "seconds before a remote call counts as failed (default 0.5)")
 
     def __post_init__(self):
         for name in _FIELDS:  # accept "4GiB", "dense", "64" from library users too

@@ -13,6 +13,7 @@ from hybridkv.cache import TieredCache
 from hybridkv.config import CacheConfig
 from hybridkv.core.layout import layout_from_dict
 from hybridkv.ram.regions import SharedRegion
+from hybridkv.tiers.filesystem import FilesystemTier
 
 LAYOUT = layout_from_dict({
     "model": "tier-test", "block_tokens": 16, "max_model_len": 4096,
@@ -28,6 +29,15 @@ def page(group: int, i: int) -> np.ndarray:
 
 def key(i: int) -> bytes:
     return i.to_bytes(16, "big")
+
+
+def written_tier(store, n=3, **kw) -> FilesystemTier:
+    """A filesystem tier holding pages 0..n-1 of both groups."""
+    tier = FilesystemTier(store, LAYOUT, **kw)
+    for i in range(n):
+        for g in (0, 1):
+            assert tier.write(g, key(i), page(g, i))
+    return tier
 
 
 def main() -> None:

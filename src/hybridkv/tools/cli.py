@@ -8,10 +8,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import fields
 
+from hybridkv.config import CacheConfig
 from hybridkv.core.errors import HybridKVError
 from hybridkv.core.sizes import format_size, parse_size
-from hybridkv.ram.policies import POLICIES
 
 
 def _positive_int(text: str) -> int:
@@ -105,11 +106,7 @@ def _cmd_gc(args) -> int:
 def _cache_config(args):
     from hybridkv.config import load_config
 
-    return load_config(args.config, overrides={
-        "block_tokens": args.block_tokens, "ram_bytes": args.ram_bytes, "eviction": args.eviction,
-        "retention": args.retention, "store": args.store, "fs_bytes": args.fs_bytes,
-        "remote": args.remote,
-    })
+    return load_config(args.config, overrides={f.name: getattr(args, f.name) for f in fields(CacheConfig)})
 
 
 REQUEST_FIELDS = ("prompt", "prompt_ids", "max_new_tokens", "salt")
@@ -272,8 +269,6 @@ def _cmd_layout(args) -> int:
     from hybridkv.engine.engine import Engine
 
     _quiet_transformers()
-    from hybridkv.config import CacheConfig
-
     engine = Engine(args.model, CacheConfig(block_tokens=args.block_tokens), use_cache=False,
                     dtype=args.dtype)
     print(engine.layout.to_json())
@@ -281,14 +276,10 @@ def _cmd_layout(args) -> int:
 
 
 def _add_cache_flags(p) -> None:
+    """One flag per CacheConfig field, documented by the field; the config validates values."""
     p.add_argument("--config", help="TOML or JSON file with cache settings")
-    p.add_argument("--store", help="filesystem tier directory (persistent)")
-    p.add_argument("--remote", help="Redis/Valkey URL of a shared remote tier")
-    p.add_argument("--ram-bytes", help="RAM tier budget, e.g. 256MiB")
-    p.add_argument("--fs-bytes", help="filesystem tier quota, e.g. 20GiB")
-    p.add_argument("--block-tokens", type=_positive_int, help="tokens per block (default 64)")
-    p.add_argument("--retention", help="dense, 0 (semantic, default) or an interval in tokens")
-    p.add_argument("--eviction", choices=list(POLICIES))
+    for f in fields(CacheConfig):
+        p.add_argument("--" + f.name.replace("_", "-"), help=f.metadata["help"])
 
 
 def build_parser() -> argparse.ArgumentParser:

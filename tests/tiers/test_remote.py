@@ -13,7 +13,8 @@ from hybridkv.core.layout import layout_from_dict
 from hybridkv.engine.engine import Engine
 from hybridkv.tiers.remote import RemoteTier, masked
 
-from conftest import RedisServer, free_port, run_cli
+from helpers.cli import assert_one_line_error, cli, run_cli
+from helpers.redis_server import RedisServer, free_port
 from helpers.tier_worker import LAYOUT, key, page
 
 B = 64
@@ -123,7 +124,7 @@ def test_two_engine_processes_share_one_redis(redis_url, tmp_path):
     assert two["hit_tokens"] == 4 * B and two["loaded_pages"]["remote"] == 5
     assert two["output_token_ids"] == one["output_token_ids"]
     assert two["logits_digest"] == one["logits_digest"]
-    info = json.loads(run_cli("inspect", "--remote", redis_url, "--json").stdout)["remote"]
+    info = json.loads(cli("inspect", "--remote", redis_url, "--json").stdout)["remote"]
     assert info["keys"] >= 5 and info["bytes"] > 0
 
 
@@ -170,10 +171,9 @@ def test_tiering_order_ram_fs_remote(redis_url, tmp_path):
 
 
 def test_bad_remote_url_and_masking():
-    from conftest import assert_one_line_error
     assert masked("redis://user:secret@h:1/0") == "redis://user:***@h:1/0"
-    assert_one_line_error(run_cli("generate", "--prompt", "x", "--remote", "http://h"), "not a Redis URL")
-    proc = run_cli("inspect", "--remote", RedisServer().url)
+    assert_one_line_error(cli("generate", "--prompt", "x", "--remote", "http://h"), "not a Redis URL")
+    proc = cli("inspect", "--remote", RedisServer().url)
     assert_one_line_error(proc, "cannot reach remote")
 
 

@@ -3,7 +3,7 @@ import json
 from hybridkv.tools.bench import bench_fs, bench_ram, bench_remote
 from hybridkv.tools.bench_report import plot, tables
 
-from conftest import run_cli
+from helpers.cli import assert_one_line_error, cli, run_cli
 
 
 def test_tier_benchmarks_report_ratios(tmp_path):
@@ -19,7 +19,7 @@ def test_remote_benchmark(redis_url):
 
 
 def test_bench_cli_quick_json_and_report(tmp_path):
-    # vLLM's side of the manager comparison is tested in tests/vllm; here it is absent
+    # vLLM's side of the manager comparison is tested in tests/integrations/vllm; here it is absent
     proc = run_cli("bench", "--quick", "--json", "--manager-slots", "4096", "--plot", tmp_path,
                    env={"HYBRIDKV_VLLM_PYTHON": str(tmp_path / "no-python")})
     assert proc.returncode == 0, proc.stderr
@@ -45,5 +45,4 @@ def test_bench_cli_quick_json_and_report(tmp_path):
 
 
 def test_bench_cli_misuse():
-    from conftest import assert_one_line_error
-    assert_one_line_error(run_cli("bench", "--manager-slots", "10"), "--manager-slots must be at least 1024")
+    assert_one_line_error(cli("bench", "--manager-slots", "10"), "--manager-slots must be at least 1024")

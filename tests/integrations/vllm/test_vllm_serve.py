@@ -14,6 +14,7 @@ import pytest
 from engines import free_port, tokens
 
 FAMILY = "lfm2"
+pytestmark = pytest.mark.xdist_group("serve")   # the servers are module fixtures
 PROMPT = tokens(21, 2048)
 START_TIMEOUT_S = 400
 

@@ -1,6 +1,6 @@
 import json
 
-from conftest import run_cli
+from helpers.cli import run_cli
 
 
 def test_demo_tells_the_whole_story(tmp_path):

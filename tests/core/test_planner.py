@@ -4,7 +4,8 @@ from hybridkv.core.errors import HybridKVError
 from hybridkv.core.layout import layout_from_dict, load_layout
 from hybridkv.core.planner import plan_pools
 
-from conftest import LAYOUTS, assert_one_line_error, run_cli
+from helpers import LAYOUTS
+from helpers.cli import assert_one_line_error, cli
 
 GiB = 1024**3
 
@@ -76,19 +77,19 @@ def test_no_cacheable_group():
 
 def test_cli_plan_json():
     import json
-    proc = run_cli("plan", "--layout", LAYOUTS / "seed-flash-next.json", "--budget", "4GiB", "--json")
+    proc = cli("plan", "--layout", LAYOUTS / "seed-flash-next.json", "--budget", "4GiB", "--json")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["token_slots"] == 390 and out["retention"] == 0 and out["reference_tokens"] == 65536
     assert [g["slots"] for g in out["groups"]] == [390, 0, 10, 10, 10, 10]
     assert out["contexts"] == pytest.approx(390 * 784 / 65536)
-    proc = run_cli("plan", "--layout", LAYOUTS / "seed-flash-next.json", "--budget", "4GiB",
+    proc = cli("plan", "--layout", LAYOUTS / "seed-flash-next.json", "--budget", "4GiB",
                    "--retention", "dense", "--json")
     assert json.loads(proc.stdout)["retention"] is None
 
 
 def test_cli_plan_table():
-    proc = run_cli("plan", "--layout", LAYOUTS / "granite-4.0-h-small.json", "--budget", "8GiB")
+    proc = cli("plan", "--layout", LAYOUTS / "granite-4.0-h-small.json", "--budget", "8GiB")
     assert proc.returncode == 0
     assert "token slots" in proc.stdout and "state" in proc.stdout
 
@@ -101,12 +102,12 @@ def test_cli_plan_table():
     (["--budget", "four"], "--budget: cannot read"),
 ])
 def test_cli_plan_errors(args, fragment):
-    proc = run_cli("plan", "--layout", LAYOUTS / "seed-flash-next.json", *args)
+    proc = cli("plan", "--layout", LAYOUTS / "seed-flash-next.json", *args)
     assert_one_line_error(proc, fragment)
 
 
 def test_cli_bad_layout_file(tmp_path):
     bad = tmp_path / "l.json"
     bad.write_text('{"model": "m", "block_tokens": 64, "groups": [{"id": 0, "kind": "mamba", "page_bytes": 1}]}')
-    assert_one_line_error(run_cli("plan", "--layout", bad, "--budget", "1GiB"), "groups[0].kind")
-    assert_one_line_error(run_cli("plan", "--budget", "1GiB"), "--layout")
+    assert_one_line_error(cli("plan", "--layout", bad, "--budget", "1GiB"), "groups[0].kind")
+    assert_one_line_error(cli("plan", "--budget", "1GiB"), "--layout")

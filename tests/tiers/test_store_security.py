@@ -18,7 +18,7 @@ from hybridkv.ram.regions import SharedRegion
 from hybridkv.tiers import pagefile
 from hybridkv.tiers.filesystem import MANIFEST, FilesystemTier, page_path
 
-from conftest import assert_one_line_error, run_cli
+from helpers.cli import assert_one_line_error, cli
 from helpers.tier_worker import LAYOUT, key, page
 
 NOBODY = 65534
@@ -88,7 +88,7 @@ def test_ram_regions_and_leases_are_private(tmp_path):
 def _crafted_store(tmp_path, ids_file):
     """Pages with valid headers and checksums but another user's payload, for our layout."""
     scratch = tmp_path / "scratch"
-    assert run_cli("generate", "--prompt-ids", ids_file, "--store", scratch,
+    assert cli("generate", "--prompt-ids", ids_file, "--store", scratch,
                    "--max-new-tokens", "2").returncode == 0
     files = {}
     for path in scratch.rglob("*"):
@@ -129,14 +129,14 @@ def test_a_store_another_user_made_is_refused_and_left_alone(tmp_path, shared_di
 
     as_other_user(plant)
     before = {p: p.read_bytes() for p in planted.rglob("*") if p.is_file()}
-    proc = run_cli("generate", "--prompt-ids", ids, "--store", planted, "--max-new-tokens", "2")
+    proc = cli("generate", "--prompt-ids", ids, "--store", planted, "--max-new-tokens", "2")
     assert_one_line_error(proc, f"store directory {planted} belongs to nobody (uid {NOBODY})")
     assert {p: p.read_bytes() for p in planted.rglob("*") if p.is_file()} == before
     # a directory of ours that others may write into is refused as well
     open_dir = tmp_path / "loose"
     open_dir.mkdir(mode=0o777)
     os.chmod(open_dir, 0o777)
-    assert_one_line_error(run_cli("generate", "--prompt", "x", "--store", open_dir),
+    assert_one_line_error(cli("generate", "--prompt", "x", "--store", open_dir),
                           "is writable by group/others (mode 777)", f"chmod 700 {open_dir}")
 
 
@@ -204,11 +204,11 @@ def test_admin_commands_keep_a_group_stores_rules(shared_dir):
     with open(theirs, "r+b") as f:              # damage the other user's page
         f.seek(-1, os.SEEK_END)
         f.write(b"\x00" if f.read(1) != b"\x00" else b"\x01")
-    proc = run_cli("verify", "--store", store, "--json")
+    proc = cli("verify", "--store", store, "--json")
     assert proc.returncode == 1, proc.stderr
     assert json.loads(proc.stdout) == {"checked": 3, "ok": 2, "corrupt": 1, "quarantined": 1}
     assert stat.S_IMODE(os.lstat(tier.namespace / "quarantine").st_mode) == 0o2770
-    proc = run_cli("gc", "--store", store, "--max-bytes", "0", "--json")
+    proc = cli("gc", "--store", store, "--max-bytes", "0", "--json")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["removed_files"] == 2
 
@@ -224,4 +224,4 @@ def test_admin_commands_keep_a_group_stores_rules(shared_dir):
     os.chmod(private, 0o777)
     as_other_user(plant_namespace)
     os.chmod(private, 0o755)
-    assert_one_line_error(run_cli("verify", "--store", private), f"{private / 'f00d'} belongs to nobody")
+    assert_one_line_error(cli("verify", "--store", private), f"{private / 'f00d'} belongs to nobody")

@@ -7,7 +7,7 @@ import pytest
 from hybridkv.core.errors import HybridKVError
 from hybridkv.core.layout import layout_from_dict, load_layout
 
-from conftest import LAYOUTS
+from helpers import LAYOUTS
 
 
 def test_shipped_layouts_round_trip():

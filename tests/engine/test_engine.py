@@ -14,7 +14,7 @@ from hybridkv.engine.hf_cache import STATE_GROUP
 from hybridkv.engine.models import BUILTINS
 from hybridkv.tiers.filesystem import page_path
 
-from conftest import assert_one_line_error, run_cli
+from helpers.cli import assert_one_line_error, cli, run_cli
 
 B = 64
 
@@ -177,7 +177,7 @@ def test_requests_file_runs_in_order_with_shared_ram(tmp_path):
     path.write_text("\n".join(json.dumps(x) for x in [
         {"prompt_ids": ids, "max_new_tokens": 2}, {"prompt_ids": ids, "max_new_tokens": 3},
         {"prompt": "short", "salt": "t1"}]) + "\n")
-    proc = run_cli("generate", "--requests", path, "--json")
+    proc = cli("generate", "--requests", path, "--json")
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     assert [r["request"] for r in rows] == [0, 1, 2]
     assert rows[1]["hit_tokens"] == 2 * B and rows[1]["loaded_pages"]["ram"] == 3
@@ -202,7 +202,7 @@ def test_requests_file_runs_in_order_with_shared_ram(tmp_path):
 def test_bad_requests_file(tmp_path, content, fragment):
     path = tmp_path / "r.jsonl"
     path.write_bytes(content if isinstance(content, bytes) else content.encode())
-    assert_one_line_error(run_cli("generate", "--requests", path), fragment)
+    assert_one_line_error(cli("generate", "--requests", path), fragment)
 
 
 @pytest.mark.parametrize("content, fragment", [
@@ -213,7 +213,7 @@ def test_bad_requests_file(tmp_path, content, fragment):
 def test_model_checks_cover_every_request_before_the_first_runs(tmp_path, content, fragment):
     path = tmp_path / "r.jsonl"
     path.write_text(content)
-    proc = run_cli("generate", "--requests", path, "--store", tmp_path / "store", "--json")
+    proc = cli("generate", "--requests", path, "--store", tmp_path / "store", "--json")
     assert_one_line_error(proc, fragment)
     assert proc.stdout == ""                                   # line 1 did not run either
     assert not list((tmp_path / "store").rglob("*.blk"))
@@ -223,11 +223,11 @@ def test_model_checks_cover_every_request_before_the_first_runs(tmp_path, conten
     (["--prompt", "a\udcffb"], "the prompt is not valid UTF-8 text"),
     (["--prompt", "x", "--max-new-tokens", "-5"], "--max-new-tokens: must be >= 1"),
     (["--prompt", "x", "--max-new-tokens", "abc"], "--max-new-tokens: expected an integer"),
-    (["--prompt", "x", "--block-tokens", "0"], "--block-tokens: must be >= 1"),
+    (["--prompt", "x", "--block-tokens", "0"], "block_tokens must be a positive integer"),
     (["--prompt", "x", "--remote", "redis://[bad"], "remote URL is malformed"),
 ])
 def test_bad_generate_flags(args, fragment):
-    assert_one_line_error(run_cli("generate", *args), fragment)
+    assert_one_line_error(cli("generate", *args), fragment)
 
 
 @pytest.mark.parametrize("content, fragment", [
@@ -239,28 +239,28 @@ def test_bad_generate_flags(args, fragment):
 def test_bad_prompt_ids_file(tmp_path, content, fragment):
     path = tmp_path / "ids"
     path.write_bytes(content)
-    assert_one_line_error(run_cli("generate", "--prompt-ids", path), fragment)
+    assert_one_line_error(cli("generate", "--prompt-ids", path), fragment)
 
 
 def test_generate_bad_input(tmp_path):
-    assert_one_line_error(run_cli("generate", "--model", "tiny-nope", "--prompt", "x"), "unknown model 'tiny-nope'")
-    assert_one_line_error(run_cli("generate", "--prompt-ids", tmp_path / "missing"), "cannot read prompt file")
+    assert_one_line_error(cli("generate", "--model", "tiny-nope", "--prompt", "x"), "unknown model 'tiny-nope'")
+    assert_one_line_error(cli("generate", "--prompt-ids", tmp_path / "missing"), "cannot read prompt file")
     long_ids = tmp_path / "ids.txt"
     long_ids.write_text(" ".join(["5"] * 40000))
-    assert_one_line_error(run_cli("generate", "--prompt-ids", long_ids), "exceeds the model's maximum length")
+    assert_one_line_error(cli("generate", "--prompt-ids", long_ids), "exceeds the model's maximum length")
     blocker = tmp_path / "file"
     blocker.write_text("keep me")
-    assert_one_line_error(run_cli("generate", "--store", blocker / "s", "--prompt", "x"), "cannot be created")
+    assert_one_line_error(cli("generate", "--store", blocker / "s", "--prompt", "x"), "cannot be created")
     assert blocker.read_text() == "keep me"
-    assert_one_line_error(run_cli("generate", "--prompt", "x", "--retention", "100"), "not a multiple")
+    assert_one_line_error(cli("generate", "--prompt", "x", "--retention", "100"), "not a multiple")
 
 
 def test_models_and_layout_cli():
-    models = json.loads(run_cli("models", "--json").stdout)
+    models = json.loads(cli("models", "--json").stdout)
     assert {m["name"] for m in models} == set(BUILTINS)
     hybrid = next(m for m in models if m["name"] == "tiny-hybrid")
     assert hybrid == {"name": "tiny-hybrid", "family": "qwen3_next", "attention_layers": 1, "state_layers": 3}
-    proc = run_cli("layout", "--model", "tiny-granite-hybrid", "--block-tokens", "128")
+    proc = cli("layout", "--model", "tiny-granite-hybrid", "--block-tokens", "128")
     layout = json.loads(proc.stdout)
     assert layout["block_tokens"] == 128
     kinds = {g["kind"]: g["page_bytes"] for g in layout["groups"]}
@@ -343,7 +343,7 @@ def test_families_with_wrong_chunked_prefill_are_refused(tmp_path, family):
 
     config_class = {"jamba": transformers.JambaConfig, "minimax": transformers.MiniMaxConfig}[family]
     config_class(num_hidden_layers=2).save_pretrained(tmp_path)
-    proc = run_cli("generate", "--model", tmp_path, "--prompt", "x")
+    proc = cli("generate", "--model", tmp_path, "--prompt", "x")
     assert_one_line_error(proc, f"{family} is not supported", "cached states would be wrong")
 
 
@@ -363,5 +363,5 @@ def test_stats_as_json_and_prometheus(tmp_path):
     assert 'hybridkv_ram_stores_total{group="0",kind="attention"} 3' in text
     assert 'hybridkv_tier_hits_total{tier="ram"} 4' in text
     assert "# TYPE hybridkv_ram_slots gauge" in text
-    proc = run_cli("generate", "--prompt", "x" * 200, "--stats", "prometheus", "--store", tmp_path / "s")
+    proc = cli("generate", "--prompt", "x" * 200, "--stats", "prometheus", "--store", tmp_path / "s")
     assert proc.returncode == 0 and "hybridkv_connector_requests_total 1" in proc.stdout

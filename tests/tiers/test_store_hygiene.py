@@ -15,7 +15,7 @@ from hybridkv.tiers import filesystem
 from hybridkv.tiers.admin import gc_store, inspect_store, verify_store
 from hybridkv.tiers.filesystem import FilesystemTier, page_path
 
-from conftest import assert_one_line_error, run_cli
+from helpers.cli import assert_one_line_error, cli
 from helpers.tier_worker import LAYOUT, key, page
 
 
@@ -80,7 +80,7 @@ def test_admin_commands_skip_dangling_links_and_directories_named_blk(tmp_path):
     assert verify_store(tmp_path / "store", progress=False)["checked"] == 1
     assert gc_store(tmp_path / "store", 0, progress=False)["removed_files"] == 1
     assert victim.read_text() == "keep" and (good.parent / ("cd" * 16 + ".blk")).is_dir()
-    proc = run_cli("inspect", "--store", tmp_path / "store", "--json")
+    proc = cli("inspect", "--store", tmp_path / "store", "--json")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["total_bytes"] == 0
 
@@ -96,7 +96,7 @@ def test_admin_commands_never_enter_a_symlinked_namespace_or_group(tmp_path):
     ours.close()
     (store / ("f" * 4)).symlink_to(tier.namespace)             # a namespace that is a link
     (ours.namespace / "g1").symlink_to(tier.namespace / "g1")  # a group that is a link
-    assert_one_line_error(run_cli("gc", "--store", store, "--max-bytes", "0", "--json"), "g1 is a symlink")
+    assert_one_line_error(cli("gc", "--store", store, "--max-bytes", "0", "--json"), "g1 is a symlink")
     os.unlink(ours.namespace / "g1")
     assert inspect_store(store)["total_bytes"] == 0
     assert gc_store(store, 0, progress=False)["removed_files"] == 0
@@ -159,8 +159,8 @@ def test_read_only_store_serves_what_verifies_and_misses_the_rest(tmp_path):
     ids.write_text(" ".join(str(3 + (i * 7) % 200) for i in range(5 * 64 + 3)))
     store = tmp_path / "store"
     common = ["generate", "--prompt-ids", ids, "--max-new-tokens", "4", "--json", "--ram-bytes", "64MiB"]
-    filled = run_cli(*common, "--store", store)
-    cold = json.loads(run_cli(*common, "--no-cache").stdout)
+    filled = cli(*common, "--store", store)
+    cold = json.loads(cli(*common, "--no-cache").stdout)
     assert filled.returncode == 0, filled.stderr
     (namespace,) = [p for p in store.iterdir() if p.is_dir()]
     pages = sorted((namespace / "g0").glob("*/*.blk"))

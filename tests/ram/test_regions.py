@@ -1,0 +1,105 @@
+"""Shared RAM regions: attach, ownership, leases, committed space, pin hooks."""
+
+import json
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from hybridkv.core.errors import HybridKVError
+from hybridkv.ram.regions import SharedRegion, remove_stale_regions
+
+from helpers.processes import spawn, worker
+
+
+def test_region_attach_from_second_process_sees_same_bytes(tmp_path):
+    path = tmp_path / "hybridkv-r"
+    region = SharedRegion.create(path, 4, 4096)
+    region.write(0, np.full(4096, 7, np.uint8))
+    assert worker("region-attach", path).returncode == 0
+    assert int(region.page(1)[10]) == 9          # written by the other process
+    region.close()
+    assert not path.exists()
+
+
+def test_owner_unlinks_a_region_another_process_created(tmp_path):
+    path = tmp_path / "hybridkv-other"
+    child = spawn("region-create", path)
+    assert child.stdout.readline().strip() == "ready"
+    region = SharedRegion.attach(path, 4, 4096)
+    assert int(region.page(0)[0]) == 7
+    region.take_ownership()
+    region.close()
+    child.kill()
+    child.wait()
+    assert not path.exists()
+
+
+def test_lease_cleanup_removes_killed_owners_region_only(tmp_path):
+    dead, live = tmp_path / "hybridkv-dead", tmp_path / "hybridkv-live"
+    victim, survivor = spawn("region-create", dead), spawn("region-create", live)
+    assert victim.stdout.readline().strip() == "ready"
+    assert survivor.stdout.readline().strip() == "ready"
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    removed = remove_stale_regions(tmp_path)
+    assert removed == [dead] and not dead.exists()
+    assert live.exists()
+    survivor.kill()
+    survivor.wait()
+
+
+def test_region_space_is_committed_at_creation_not_at_first_write(tmp_path):
+    """A sparse region on a tmpfs that fills up later dies of SIGBUS; a committed one cannot."""
+    region = SharedRegion.create(tmp_path / "hybridkv-committed", 64, 65536)
+    st = os.stat(tmp_path / "hybridkv-committed")
+    assert st.st_blocks * 512 >= 64 * 65536
+    region.close()
+
+
+def test_pin_hooks_of_two_processes_never_overlap(tmp_path):
+    """cudaHostRegister of one region from several ranks at once is what the flock prevents."""
+    path, log = tmp_path / "hybridkv-pinned", tmp_path / "pin.log"
+    region = SharedRegion.create(path, 4, 4096)
+    children = [spawn("region-pin", path, log) for _ in range(3)]
+    for child in children:
+        assert child.wait(timeout=60) == 0
+    assert log.read_text().split() == ["start", "end"] * 3
+    region.close()
+
+
+def test_a_locked_lease_is_live_whatever_pid_it_names(tmp_path):
+    """An owner in another PID namespace writes a pid that means nothing here: the flock it
+    holds decides, so its region survives; the same lease unlocked is stale."""
+    import fcntl
+
+    region = tmp_path / "hybridkv-elsewhere"
+    region.write_bytes(b"\0" * 4096)
+    lease = tmp_path / "hybridkv-elsewhere.lease"
+    lease.write_text(json.dumps({"pid": 999999999, "start_time": 1}))   # a pid no one has here
+    fd = os.open(lease, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    assert remove_stale_regions(tmp_path) == [] and region.exists()
+    os.close(fd)                                                      # the owner exits
+    assert remove_stale_regions(tmp_path) == [region] and not lease.exists()
+
+
+def test_failing_pin_hook_is_fatal_and_releases_everything(tmp_path):
+    path = tmp_path / "hybridkv-pin"
+
+    def hook(region):
+        raise RuntimeError("cudaHostRegister returned 1")
+
+    with pytest.raises(HybridKVError) as info:
+        SharedRegion.create(path, 2, 4096, pin_hook=hook, rank=3)
+    message = str(info.value)
+    assert "rank 3" in message and str(path) in message and "8192 B" in message
+    assert "cudaHostRegister returned 1" in message
+    assert not path.exists() and not list(tmp_path.iterdir())
+
+
+def test_region_larger_than_free_space_fails_clearly(tmp_path):
+    with pytest.raises(HybridKVError, match="lower ram_bytes"):
+        SharedRegion.create(tmp_path / "hybridkv-huge", 1 << 20, 1 << 30)
+    assert not list(tmp_path.iterdir())

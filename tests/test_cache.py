@@ -1,0 +1,112 @@
+"""TieredCache: write-through, reservations by another process, promotion from secondary tiers."""
+
+import os
+
+import numpy as np
+
+from hybridkv.cache import TieredCache
+from hybridkv.config import CacheConfig
+from hybridkv.ram.regions import SharedRegion
+from hybridkv.tiers.filesystem import FilesystemTier, page_path
+
+from helpers.tier_worker import LAYOUT, key, page
+
+
+def test_write_through_pins_until_written_then_promotes_after_restart(tmp_path):
+    config = CacheConfig(block_tokens=16, ram_bytes=1024**2, store=str(tmp_path))
+    with TieredCache(LAYOUT, config) as cache:
+        assert cache.store({0: [(key(1), page(0, 1))], 1: [(key(1), page(1, 1))]})
+        assert cache.pools.pool(1).refs_of(key(1)) == 1     # pinned until poll sees the write land
+        cache.drain()
+        assert cache.pools.pool(1).refs_of(key(1)) == 0
+    with TieredCache(LAYOUT, config) as cache:
+        assert cache.locate(1, [key(1), key(2)]) == ["fs", None]
+        views = cache.acquire({0: [key(1)], 1: [key(1)]})
+        assert np.array_equal(views[1][0], page(1, 1))
+        cache.release({0: [key(1)], 1: [key(1)]})
+        assert cache.locate(1, [key(1)]) == ["ram"]
+        assert cache.stats()["tiers"]["fs"]["hits"] == 2
+
+
+def test_reserved_slots_filled_by_another_process_are_served_only_after_commit(tmp_path):
+    """The vLLM worker's path: reserve, fill the shared slot from another process, commit."""
+    config = CacheConfig(block_tokens=16, ram_bytes=1024**2, store=str(tmp_path / "kv"))
+    with TieredCache(LAYOUT, config) as cache:
+        plans = cache.reserve({1: [key(7)]})
+        assert cache.pools.pool(1).lookup(key(7)).value == "hit_pending"
+        assert cache.acquire({1: [key(7)]}) is None            # never served half-written
+        region = cache.regions[1]
+        attached = SharedRegion.attach(region.path, region.slots, region.page_bytes)
+        attached.write(plans[1].slots[0], page(1, 7))
+        attached.close()
+        cache.commit(plans)
+        again = cache.reserve({1: [key(7)]})
+        assert again is not None and not again[1].keys          # present now: nothing to reserve
+        views = cache.acquire({1: [key(7)]})
+        assert np.array_equal(views[1][0], page(1, 7))
+        cache.release({1: [key(7)]})
+        cache.drain()
+    with TieredCache(LAYOUT, config) as cache:                   # written through to disk
+        assert cache.locate(1, [key(7)]) == ["fs"]
+
+
+def test_abandoned_reservation_leaves_no_page(tmp_path):
+    config = CacheConfig(block_tokens=16, ram_bytes=1024**2)
+    with TieredCache(LAYOUT, config) as cache:
+        plans = cache.reserve({0: [key(8)], 1: [key(8)]})
+        cache.commit(plans, ok=False)
+        assert cache.locate(0, [key(8)]) == [None] and cache.locate(1, [key(8)]) == [None]
+        assert cache.store({0: [(key(8), page(0, 8))], 1: [(key(8), page(1, 8))]})
+
+
+def test_corrupt_secondary_page_fails_acquire_and_is_not_served(tmp_path):
+    config = CacheConfig(block_tokens=16, ram_bytes=1024**2, store=str(tmp_path))
+    with TieredCache(LAYOUT, config) as cache:
+        cache.store({1: [(key(4), page(1, 4))]})
+    tier = FilesystemTier(tmp_path, LAYOUT)
+    path = page_path(tier.namespace, 1, key(4))
+    tier.close()
+    os.truncate(path, 100)
+    with TieredCache(LAYOUT, config) as cache:
+        assert cache.acquire({1: [key(4)]}) is None
+        assert cache.locate(1, [key(4)]) == [None]
+        assert cache.pools.pool(1).lookup(key(4)).value == "miss"
+
+
+def test_regions_are_removed_at_close(tmp_path):
+    config = CacheConfig(block_tokens=16, ram_bytes=1024**2, ram_dir=str(tmp_path))
+    cache = TieredCache(LAYOUT, config)
+    assert len(list(tmp_path.glob("hybridkv-*.lease"))) == 2
+    cache.close()
+    assert not list(tmp_path.iterdir())
+
+
+def test_promotion_never_evicts_resident_pages_of_the_same_request(tmp_path):
+    config = CacheConfig(block_tokens=16, ram_bytes=1024**2, store=str(tmp_path))
+    with TieredCache(LAYOUT, config) as cache:
+        cache.store({0: [(key(i), page(0, i)) for i in range(3)]})
+        cache.drain()
+    small = LAYOUT.group(0).page_bytes * 3 + LAYOUT.group(1).page_bytes * 4
+    with TieredCache(LAYOUT, config.replace(ram_bytes=small, reference_tokens=32)) as cache:
+        assert cache.plan.token_slots == 3
+        cache.acquire({0: [key(0)]})                    # key 0 promoted, then released
+        cache.release({0: [key(0)]})
+        cache.store({0: [(key(7), page(0, 7)), (key(8), page(0, 8))]})   # RAM now full
+        cache.drain()
+        views = cache.acquire({0: [key(0), key(1), key(2)]})
+        assert views is not None
+        for i in range(3):
+            assert np.array_equal(views[0][i], page(0, i))
+
+
+def test_promotion_waits_for_write_through_pins_instead_of_missing(tmp_path):
+    config = CacheConfig(block_tokens=16, ram_bytes=1024**2, store=str(tmp_path))
+    with TieredCache(LAYOUT, config) as cache:
+        cache.store({0: [(key(i), page(0, i)) for i in range(3)]})
+    small = LAYOUT.group(0).page_bytes * 3 + LAYOUT.group(1).page_bytes * 4
+    with TieredCache(LAYOUT, config.replace(ram_bytes=small, reference_tokens=32)) as cache:
+        cache.store({0: [(key(i), page(0, i)) for i in (7, 8, 9)]})   # RAM full, pinned until written
+        assert all(cache.pools.pool(0).refs_of(key(i)) == 1 for i in (7, 8, 9))
+        views = cache.acquire({0: [key(0), key(1), key(2)]})
+        assert views is not None
+        assert all(np.array_equal(views[0][i], page(0, i)) for i in range(3))

@@ -1,0 +1,140 @@
+"""The filesystem tier: restarts, damage, quota, the start-up scan, concurrent writers."""
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from hybridkv.core.errors import HybridKVError
+from hybridkv.core.layout import layout_from_dict
+from hybridkv.tiers import pagefile
+from hybridkv.tiers.filesystem import FilesystemTier, page_path
+
+from helpers.processes import spawn, worker
+from helpers.tier_worker import LAYOUT, key, page, written_tier
+
+
+def test_restart_in_fresh_process_restores_identical_pages(tmp_path):
+    assert worker("write", tmp_path, 20).returncode == 0
+    out = worker("read", tmp_path, 20)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "restored 20"
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "foreign"])
+def test_damaged_page_is_a_miss_and_quarantined_while_other_groups_hit(tmp_path, damage):
+    tier = written_tier(tmp_path)
+    path = page_path(tier.namespace, 1, key(1))
+    if damage == "truncate":
+        os.truncate(path, path.stat().st_size - 100)
+    elif damage == "flip":
+        blob = bytearray(path.read_bytes())
+        blob[pagefile.HEADER_BYTES + 5000] ^= 0x01
+        path.write_bytes(bytes(blob))
+    else:  # a valid page of another key copied over this one
+        path.write_bytes(page_path(tier.namespace, 1, key(2)).read_bytes())
+    out = np.empty(16384, np.uint8)
+    assert tier.read(1, key(1), out) is False
+    assert tier.stats["corrupt"] == 1 and not path.exists()
+    assert len(list((tier.namespace / "quarantine").iterdir())) == 1
+    assert tier.contains(1, key(1)) is False
+    got = np.empty(4096, np.uint8)
+    assert tier.read(0, key(1), got) and np.array_equal(got, page(0, 1))
+    tier.close()
+
+
+def test_foreign_layout_misses(tmp_path):
+    written_tier(tmp_path).close()
+    other = layout_from_dict({**LAYOUT.to_dict(), "model": "another-model"})
+    tier = FilesystemTier(tmp_path, other)
+    assert not tier.contains(0, key(0))
+    tier.close()
+
+
+def test_quota_evicts_least_recently_used(tmp_path):
+    size = pagefile.HEADER_BYTES + 4096
+    tier = FilesystemTier(tmp_path, LAYOUT, max_bytes=3 * size)
+    for i in range(3):
+        tier.write(0, key(i), page(0, i))
+    tier.read(0, key(0), np.empty(4096, np.uint8))      # key 0 is now most recent
+    tier.write(0, key(3), page(0, 3))
+    assert [tier.contains(0, key(i)) for i in range(4)] == [True, False, True, True]
+    assert tier.total_bytes() == 3 * size and tier.stats["evictions"] == 1
+    tier.close()
+
+
+def test_startup_scan_rebuilds_index_in_mtime_order(tmp_path):
+    size = pagefile.HEADER_BYTES + 4096
+    tier = FilesystemTier(tmp_path, LAYOUT)
+    for i in range(3):
+        tier.write(0, key(i), page(0, i))
+        os.utime(page_path(tier.namespace, 0, key(i)), ns=(10**18 + i, 10**18 + (2 - i)))
+    tier.close()
+    again = FilesystemTier(tmp_path, LAYOUT, max_bytes=3 * size)
+    assert again.total_bytes() == 3 * size
+    again.write(0, key(9), page(0, 9))
+    assert not again.contains(0, key(2))      # the oldest mtime went first
+    again.close()
+
+
+def test_kill_during_write_storm_serves_no_corrupt_page(tmp_path):
+    child = spawn("write", tmp_path, 0, "--storm")
+    assert child.stdout.readline().strip() == "storming"
+    time.sleep(0.5)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    tier = FilesystemTier(tmp_path, LAYOUT)
+    assert not list(tier.namespace.rglob("*.tmp"))
+    served = 0
+    for g, size in ((0, 4096), (1, 16384)):
+        for path in (tier.namespace / f"g{g}").glob("*/*.blk"):
+            out = np.empty(size, np.uint8)
+            k = bytes.fromhex(path.stem)
+            assert tier.read(g, k, out)
+            assert np.array_equal(out, page(g, int.from_bytes(k, "big")))
+            served += 1
+    assert served > 50
+    tier.close()
+
+
+def test_two_writers_and_a_reader_never_see_a_partial_file(tmp_path):
+    writers = [spawn("write", tmp_path, 0, "--storm") for _ in range(2)]
+    for w in writers:
+        assert w.stdout.readline().strip() == "storming"
+    tier = FilesystemTier(tmp_path, LAYOUT)
+    reads = 0
+    deadline = time.time() + 2
+    while time.time() < deadline:
+        for path in list((tier.namespace / "g1").glob("*/*.blk"))[:20]:
+            out = np.empty(16384, np.uint8)
+            k = bytes.fromhex(path.stem)
+            if tier.read(1, k, out):
+                assert np.array_equal(out, page(1, int.from_bytes(k, "big")))
+                reads += 1
+    for w in writers:
+        w.kill()
+        w.wait()
+    assert tier.stats["corrupt"] == 0 and reads > 0
+    tier.close()
+
+
+def test_unwritable_store_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(HybridKVError, match="cannot be created"):
+        FilesystemTier(blocker / "store", LAYOUT)
+
+
+def test_direct_io_and_buffered_agree(tmp_path):
+    for direct in (False, True):
+        tier = FilesystemTier(tmp_path / str(direct), LAYOUT, direct=direct)
+        if direct and not tier.direct:
+            continue
+        tier.write(1, key(5), page(1, 5))
+        out = np.empty(16384, np.uint8)
+        try:
+            assert tier.read(1, key(5), out) and np.array_equal(out, page(1, 5))
+        finally:
+            tier.close()
