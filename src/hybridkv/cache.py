@@ -23,7 +23,7 @@ from hybridkv.core.layout import Layout
 from hybridkv.core.planner import Plan, plan_pools
 from hybridkv.ram.grouped_pools import GroupedPools
 from hybridkv.ram.pool import Lookup, StorePlan
-from hybridkv.ram.regions import PinHook, SharedRegion, remove_stale_regions
+from hybridkv.ram.regions import PagelessRegion, PinHook, SharedRegion, remove_stale_regions
 from hybridkv.tiers.base import SecondaryTier, open_tiers
 
 log = logging.getLogger(__name__)
@@ -49,29 +49,39 @@ class TieredCache:
     """The one object a connector talks to: lookups, loads, stores, request lifetimes.
 
     ``secondaries`` replaces the tiers the config names (tests, benchmarks); ``pin_hook`` runs
-    on every RAM region at creation (the engine passes CUDA host registration on a GPU box).
+    on every RAM region at creation (the engine passes CUDA host registration on a GPU box);
+    ``pageless`` keeps the slots and their accounting without the bytes (the simulator).
     """
 
     def __init__(self, layout: Layout, config: CacheConfig, plan: Plan | None = None,
                  secondaries: Sequence[SecondaryTier] | None = None,
-                 pin_hook: PinHook | None = None):
+                 pin_hook: PinHook | None = None, pageless: bool = False):
         self.layout, self.config = layout, config
         reference = config.reference_tokens or layout.max_model_len or 64 * layout.block_tokens
         self.plan = plan or plan_pools(layout, config.ram_bytes, config.retention, reference,
                                        config.engine_block_tokens)
         self.pools = GroupedPools(self.plan.slots_per_group(), config.eviction)
-        self.regions: dict[int, SharedRegion] = {}
+        self.regions: dict[int, SharedRegion | PagelessRegion] = {}
         self.secondaries: list[SecondaryTier] = []
         self.counters: dict[str, TierCounters] = {RAM: TierCounters()}
         self._writes: list[_WriteThrough] = []
         try:
-            self._open_regions(pin_hook)
+            if pageless:
+                self.regions = {gid: PagelessRegion(slots, layout.group(gid).page_bytes)
+                                for gid, slots in self.plan.slots_per_group().items()}
+            else:
+                self._open_regions(pin_hook)
             self.secondaries = list(secondaries) if secondaries is not None else open_tiers(layout, config)
         except BaseException:
             self.close()
             raise
         for tier in self.secondaries:
             self.counters[tier.name] = TierCounters()
+
+    @property
+    def tier_names(self) -> list[str]:
+        """RAM first, then the secondary tiers in lookup order (the values of ``locate``)."""
+        return list(self.counters)
 
     def _open_regions(self, pin_hook: PinHook | None) -> None:
         directory = Path(self.config.ram_dir)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
+from typing import NamedTuple
 
 import numpy as np
 
@@ -23,15 +25,27 @@ log = logging.getLogger(__name__)
 Pages = Mapping[int, np.ndarray]      # group id -> one page (uint8)
 
 
+class PageKind(str, Enum):
+    """What an offered page holds; the value names it in request stats."""
+    ATTENTION = "attention"     # a full prompt block of a token group
+    STATE = "state"             # the recurrent state at a boundary
+
+
+class Offer(NamedTuple):
+    """One pending offer: a block index for attention, a token boundary for a state."""
+    kind: PageKind
+    position: int
+
+
 @dataclass
 class RequestState:
     request_id: str
     n_tokens: int
     keys: list[bytes]
     hit: Hit = Hit(0, 0, None)
-    sources: dict[str, int] = field(default_factory=lambda: {"ram": 0, "fs": 0, "remote": 0})
-    stored: dict[str, int] = field(default_factory=lambda: {"attention": 0, "state": 0})
-    pending: dict[tuple[str, int], dict] = field(default_factory=dict)
+    sources: dict[str, int] = field(default_factory=dict)     # tier name -> pages loaded from it
+    stored: dict[str, int] = field(default_factory=lambda: {k.value: 0 for k in PageKind})
+    pending: dict[Offer, dict] = field(default_factory=dict)
     max_stored_tokens: int | None = None
     local_blocks: int = 0      # leading blocks the engine already holds itself
     loaded: dict[int, list[bytes]] | None = None
@@ -95,6 +109,7 @@ class Connector:
         are not loaded again.
         """
         req = RequestState(request_id, len(tokens), block_hashes(tokens, self.B, salt, extra),
+                           sources=dict.fromkeys(self.cache.tier_names, 0),
                            max_stored_tokens=max_stored_tokens, local_blocks=local_tokens // self.B)
         self.cache.request_started(request_id)
         req.hit = self._find_hit(req)
@@ -138,7 +153,7 @@ class Connector:
                 return None
             blocks = self.hit_blocks(req)
             wanted = {gid: [req.keys[b] for b in bs] for gid, bs in blocks.items()}
-            counts = {"ram": 0, "fs": 0, "remote": 0}
+            counts = dict.fromkeys(self.cache.tier_names, 0)
             for gid, bs in blocks.items():
                 for b in bs:
                     counts[req.where[gid][b]] += 1
@@ -176,35 +191,34 @@ class Connector:
     def offer_block(self, req: RequestState, block: int, pages: Pages) -> None:
         """Attention/sliding-window pages of one full prompt block the engine computed."""
         key = req.keys[block]
-        self._offer(req, ("block", block), {gid: [(key, page)] for gid, page in pages.items()})
+        self._offer(req, Offer(PageKind.ATTENTION, block), {gid: [(key, page)] for gid, page in pages.items()})
 
     def offer_state(self, req: RequestState, boundary: int, pages: Pages) -> None:
         """The exact recurrent state at ``boundary`` (a multiple of B) the engine materialized."""
         key = req.keys[boundary // self.B - 1]
-        self._offer(req, ("state", boundary), {gid: [(key, page)] for gid, page in pages.items()})
+        self._offer(req, Offer(PageKind.STATE, boundary), {gid: [(key, page)] for gid, page in pages.items()})
 
-    def _offer(self, req: RequestState, ident: tuple[str, int], pages: dict) -> None:
-        if ident not in req.pending:        # a re-offer supersedes the older one
+    def _offer(self, req: RequestState, offer: Offer, pages: dict) -> None:
+        if offer not in req.pending:        # a re-offer supersedes the older one
             self.stats["offers_pending"] += 1
-        req.pending[ident] = pages
-        self._try_store(req, ident)
+        req.pending[offer] = pages
+        self._try_store(req, offer)
 
-    def _try_store(self, req: RequestState, ident: tuple[str, int]) -> bool:
-        pages = req.pending[ident]
+    def _try_store(self, req: RequestState, offer: Offer) -> bool:
+        pages = req.pending[offer]
         if not self.cache.store(pages):
             return False
-        del req.pending[ident]
+        del req.pending[offer]
         self.stats["offers_pending"] -= 1
-        kind = "state" if ident[0] == "state" else "attention"
-        req.stored[kind] += sum(len(v) for v in pages.values())
+        req.stored[offer.kind.value] += sum(len(v) for v in pages.values())
         self.stats["pages_stored"] += sum(len(v) for v in pages.values())
         return True
 
     def step(self, req: RequestState) -> None:
         """End of an engine step: retry pending offers, finish background writes."""
-        for ident in list(req.pending):
+        for offer in list(req.pending):
             self.stats["offers_retried"] += 1
-            self._try_store(req, ident)
+            self._try_store(req, offer)
         self.cache.poll()
 
     def finish(self, req: RequestState) -> None:

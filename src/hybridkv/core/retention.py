@@ -46,20 +46,6 @@ class Retention:
             return True
         return self.interval > 0 and boundary % self.interval == 0
 
-    def kept_boundaries(self, n_tokens: int, junction: int | None = None) -> list[int]:
-        """Every kept boundary of one request, ascending (range arithmetic, no per-block loop)."""
-        B = self.block_tokens
-        replay = replay_boundary(n_tokens, B)
-        if replay <= 0:
-            return []
-        if self.interval is None:
-            return list(range(B, replay + 1, B))
-        kept = set(range(self.interval, replay + 1, self.interval)) if self.interval else set()
-        kept.add(replay)
-        if junction is not None and 0 < junction <= replay and junction % B == 0:
-            kept.add(junction)
-        return sorted(kept)
-
     def states_per_prompt(self, n_tokens: int) -> int:
         """k(R): states kept for one prompt of R tokens without a junction."""
         B = self.block_tokens

@@ -165,8 +165,8 @@ class Engine:
         return GenerationResult(
             request=index, prompt_tokens=len(ids), hit_tokens=start,
             computed_tokens=len(ids) - start,
-            loaded_pages=dict(req.sources) if req and start else {"ram": 0, "fs": 0, "remote": 0},
-            stored_pages=dict(req.stored) if req else {"attention": 0, "state": 0},
+            loaded_pages=(dict(req.sources) if start else dict.fromkeys(req.sources, 0)) if req else {},
+            stored_pages=dict(req.stored) if req else {},
             junction=req.junction if req else None, output_token_ids=out, ttft_s=ttft,
             restore_s=restore_s, restored_bytes=restored_bytes, logits=result_logits,
         )

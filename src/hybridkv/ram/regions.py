@@ -172,6 +172,25 @@ class SharedRegion:
             self._unlinker()          # unlinks once; a no-op if it already ran
 
 
+class PagelessRegion:
+    """Slots without bytes, in place of a ``SharedRegion`` where only the bookkeeping counts:
+    the simulator replays traffic against budgets of many GiB through the real cache."""
+
+    EMPTY = np.empty(0, np.uint8)
+
+    def __init__(self, slots: int, page_bytes: int):
+        self.slots, self.page_bytes = slots, page_bytes
+
+    def page(self, slot: int) -> np.ndarray:
+        return self.EMPTY
+
+    def write(self, slot: int, data) -> None:
+        """Nothing to copy into."""
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
 def _unlink_region(path: Path, lease_fd: int) -> None:
     path.unlink(missing_ok=True)
     _lease_path(path).unlink(missing_ok=True)

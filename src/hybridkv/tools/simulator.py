@@ -1,8 +1,8 @@
-"""Replays synthetic traffic through the real pools, retention and hit rule — no model.
+"""Replays synthetic traffic through the real connector and cache — no model, no page bytes.
 
-Each request is only token ids: its keys are hashed, its hybrid hit is computed against the RAM
-pools, the hit's pages are pinned and released, and the pages a real engine would offer (every
-full block, the states retention keeps) are stored. What comes out is what a user chooses a
+Each request is only token ids: the ``Connector`` keys it, finds its hybrid hit, pins and
+releases the hit's pages and takes the offers a real engine makes (every full block, the
+states retention keeps) into a ``TieredCache`` whose regions hold no bytes. What comes out is what a user chooses a
 cache by: token hit rate, prefill tokens saved, bytes moved. The workloads follow the published
 ones (multi-turn chat, a shared system prompt, long-document QA, agentic sessions).
 """
@@ -14,12 +14,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hybridkv.core.keys import block_hashes
-from hybridkv.core.layout import GroupKind, Layout
-from hybridkv.core.planner import plan_pools
-from hybridkv.core.retention import Retention, compute_hit
-from hybridkv.ram.grouped_pools import GroupedPools
-from hybridkv.ram.pool import Lookup
+from hybridkv.cache import RAM, TieredCache
+from hybridkv.config import CacheConfig
+from hybridkv.connector import Connector
+from hybridkv.core.layout import Layout
+from hybridkv.ram.regions import PagelessRegion
 
 
 class _Tokens:
@@ -104,49 +103,40 @@ def prefill_seconds(tokens_from: int, tokens_to: int, per_token_s: float, per_to
     return n * per_token_s + per_token_sq_s * (tokens_to**2 - tokens_from**2) / 2
 
 
-def _ram_oracle(manager: GroupedPools, keys: list[bytes]):
-    return lambda gid, block: manager.pools[gid].lookup(keys[block]) is Lookup.HIT
-
-
 def simulate(layout: Layout, workload: str, budget_bytes: int, retention: int | None = 0,
              eviction: str = "lru", reference_tokens: int = 8192, scale: float = 1.0,
              per_token_s: float = 2e-4, per_token_sq_s: float = 2e-9) -> SimResult:
-    """Replay one workload against RAM pools planned from ``budget_bytes``."""
+    """Replay one workload through the real ``Connector`` over a pageless ``TieredCache``
+    planned from ``budget_bytes``, offering what the reference engine offers at each block end."""
     B = layout.block_tokens
-    plan = plan_pools(layout, budget_bytes, retention, reference_tokens)
-    manager = GroupedPools(plan.slots_per_group(), eviction)
-    policy = Retention(B, retention)
-    groups = layout.cacheable_groups
-    token_ids = [g.id for g in groups if g.is_token_group]
-    state_ids = [g.id for g in groups if g.kind is GroupKind.STATE]
-    page = {g.id: g.page_bytes for g in groups}
+    config = CacheConfig(block_tokens=B, ram_bytes=budget_bytes, eviction=eviction,
+                         retention=retention, reference_tokens=reference_tokens)
+    cache = TieredCache(layout, config, secondaries=[], pageless=True)
+    conn = Connector(cache)
+    token_pages = dict.fromkeys(conn.token_groups, PagelessRegion.EMPTY)
+    state_pages = dict.fromkeys(conn.state_groups, PagelessRegion.EMPTY)
     sizes = {"users": 24, "turns": 6} if workload == "multi_turn_chat" else {}
     gen = WORKLOADS[workload](**{k: max(1, int(v * scale)) for k, v in sizes.items()})
-    requests = prompt_tokens = saved = stored = loaded = 0
+    requests = prompt_tokens = 0
     seconds_saved = 0.0
-    for tokens in gen:
-        requests += 1
-        n = len(tokens)
-        prompt_tokens += n
-        keys = block_hashes(tokens, B)
-        hit = compute_hit(groups, n, B, _ram_oracle(manager, keys))
-        h = hit.tokens // B
-        if h:
-            wanted = {gid: keys[:h] for gid in token_ids} | {gid: [keys[h - 1]] for gid in state_ids}
-            manager.prepare_load(wanted)
-            manager.complete_load(wanted)
-            manager.touch(wanted)
-            loaded += sum(page[g] * len(k) for g, k in wanted.items())
-            saved += hit.tokens
-            seconds_saved += prefill_seconds(0, hit.tokens, per_token_s, per_token_sq_s)
-        offers = [{gid: [keys[b]] for gid in token_ids} for b in range(h, len(keys))]
-        offers += [{gid: [keys[b // B - 1]] for gid in state_ids}
-                   for b in policy.kept_boundaries(n, hit.junction) if b > hit.tokens]
-        for offer in offers:
-            plans = manager.prepare_store(offer)
-            if plans is None:
-                continue
-            manager.complete_store({g: p.keys for g, p in plans.items()})
-            stored += sum(page[g] * len(p.keys) for g, p in plans.items())
-    return SimResult(workload, retention, eviction, budget_bytes, requests, prompt_tokens, saved,
-                     stored, loaded, seconds_saved)
+    try:
+        for tokens in gen:
+            req = conn.begin(f"sim-{requests}", tokens)
+            requests += 1
+            prompt_tokens += len(tokens)
+            hit = 0
+            if req.hit_tokens and conn.load(req) is not None:
+                hit = req.hit_tokens
+                conn.release(req)
+                seconds_saved += prefill_seconds(0, hit, per_token_s, per_token_sq_s)
+            for boundary in range(hit + B, len(tokens) + 1, B):
+                if token_pages and conn.wants_block(req, boundary // B - 1):
+                    conn.offer_block(req, boundary // B - 1, token_pages)
+                if conn.wants_state(req, boundary):
+                    conn.offer_state(req, boundary, state_pages)
+            conn.finish(req)
+        ram = cache.counters[RAM]
+        return SimResult(workload, retention, eviction, budget_bytes, requests, prompt_tokens,
+                         conn.stats["hit_tokens"], ram.bytes_in, ram.bytes_out, seconds_saved)
+    finally:
+        cache.close()

@@ -25,6 +25,11 @@ def tokens(seed: int, n: int) -> list[int]:
     return [rng.randrange(3, 512) for _ in range(n)]
 
 
+def engine_env() -> dict:
+    """The environment of an engine process: a 1 GiB KV cache, plenty for the tiny models."""
+    return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
 def run_engine(model_dir: Path, family: str, connector: dict | None, requests: list[dict],
                workdir: Path, name: str) -> dict:
     """One fresh vLLM engine process; returns its results and the connector's stats file."""
@@ -35,9 +40,9 @@ def run_engine(model_dir: Path, family: str, connector: dict | None, requests: l
            "requests": requests, "max_tokens": 8}
     path = workdir / f"{name}-job.json"
     path.write_text(json.dumps(job))
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     proc = subprocess.run([sys.executable, "-m", "hybridkv.tools.vllm_run", str(path)],
-                          capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S, env=env)
+                          capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S,
+                          env=engine_env())
     (workdir / f"{name}.log").write_text(proc.stdout + proc.stderr)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("HYBRIDKV_RESULT ")), None)
     assert proc.returncode == 0 and line, f"engine {name} failed:\n{proc.stderr[-4000:]}"

@@ -11,10 +11,9 @@ import urllib.request
 
 import pytest
 
-from engines import free_port, tokens
+from engines import engine_env, free_port, tokens
 
 FAMILY = "lfm2"
-pytestmark = pytest.mark.xdist_group("serve")   # the servers are module fixtures
 PROMPT = tokens(21, 2048)
 START_TIMEOUT_S = 400
 
@@ -34,7 +33,7 @@ class Server:
              "--max-model-len", "4096", "--enable-prompt-tokens-details",
              "--kv-transfer-config", json.dumps(config)],
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+            env=engine_env())
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"vllm serve exited; see {log_path}"

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hybridkv.cache import TieredCache
-from hybridkv.connector import Connector, RequestState
+from hybridkv.connector import Connector, PageKind, RequestState
 from hybridkv.core.errors import HybridKVError
 from hybridkv.core.retention import replay_boundary
 from hybridkv.integrations.vllm.layout import cache_config_from_extra, layout_from_vllm
@@ -38,7 +38,7 @@ class _Request:
 class _Reservation:
     request: str
     plans: dict
-    kind: str                     # "attention" or "state"
+    kind: PageKind
 
 
 @dataclass
@@ -150,11 +150,11 @@ class SchedulerSide:
         state, conn, B = ctx.state, self.connector, self.B
         for j in range(start // B, min(end // B, len(state.keys)) if conn.token_groups else 0):
             if conn.wants_block(state, j):
-                self._reserve(ctx, "attention", conn.token_groups, j, block_ids, plan)
+                self._reserve(ctx, PageKind.ATTENTION, conn.token_groups, j, block_ids, plan)
         if end % B == 0 and conn.wants_state(state, end):
-            self._reserve(ctx, "state", conn.state_groups, end // B - 1, block_ids, plan)
+            self._reserve(ctx, PageKind.STATE, conn.state_groups, end // B - 1, block_ids, plan)
 
-    def _reserve(self, ctx: _Request, kind: str, groups: list[int], block: int, block_ids,
+    def _reserve(self, ctx: _Request, kind: PageKind, groups: list[int], block: int, block_ids,
                  plan: StepPlan) -> None:
         if any(block_ids[gid][block] == 0 for gid in groups):
             return                        # a group no longer holds this block (sliding window)
@@ -185,7 +185,7 @@ class SchedulerSide:
                     self.connector.stats["pages_stored"] += pages
                     owner = self._requests.get(res.request)
                     if owner is not None:
-                        owner.state.stored[res.kind] += pages
+                        owner.state.stored[res.kind.value] += pages
                 else:
                     self.stats.store_failures += 1
             for req in report.loaded | report.load_failures:
