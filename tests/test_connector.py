@@ -118,7 +118,7 @@ def test_misses_are_counted_per_tier(tmp_path):
         assert cache.locate(0, [b"r" * 16, b"d" * 16, b"n" * 16]) == ["ram", "fs", None]
         stats = cache.stats()
     assert stats["tiers"]["ram"]["misses"] == 2 and stats["tiers"]["fs"]["misses"] == 1
-    assert 'hybridkv_tier_misses_total{tier="fs"} 1' in to_prometheus(stats)
+    assert 'hybridkv_tier_misses_total{tier="fs"} 1.0' in to_prometheus(stats)
 
 
 def _eager_hit(cache, conn, ids):

@@ -360,8 +360,8 @@ def test_stats_as_json_and_prometheus(tmp_path):
     assert stats["tiers"]["ram"]["hits"] == 4 and stats["tiers"]["fs"]["writes"] == 4
     assert stats["connector"]["hit_tokens"] == 3 * B
     text = to_prometheus(stats)
-    assert 'hybridkv_ram_stores_total{group="0",kind="attention"} 3' in text
-    assert 'hybridkv_tier_hits_total{tier="ram"} 4' in text
+    assert 'hybridkv_ram_stores_total{group="0",kind="attention"} 3.0' in text
+    assert 'hybridkv_tier_hits_total{tier="ram"} 4.0' in text
     assert "# TYPE hybridkv_ram_slots gauge" in text
     proc = cli("generate", "--prompt", "x" * 200, "--stats", "prometheus", "--store", tmp_path / "s")
-    assert proc.returncode == 0 and "hybridkv_connector_requests_total 1" in proc.stdout
+    assert proc.returncode == 0 and "hybridkv_connector_requests_total 1.0" in proc.stdout

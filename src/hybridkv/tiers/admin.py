@@ -11,32 +11,19 @@ from __future__ import annotations
 import json
 import os
 import stat
-import sys
 from collections.abc import Iterator
 from pathlib import Path
+
+from tqdm import tqdm
 
 from hybridkv.tiers import pagefile
 from hybridkv.tiers.filesystem import MANIFEST, QUARANTINE, open_page, quarantine
 from hybridkv.tiers.store_dirs import StoreDirs, existing_store_mode
 
 
-class Progress:
-    """A one-line progress bar on a terminal; silent otherwise (and in --json mode)."""
-
-    def __init__(self, total: int, label: str, enabled: bool = True):
-        self.total, self.label, self.done = total, label, 0
-        self.enabled = enabled and sys.stderr.isatty() and total > 0
-
-    def step(self, n: int = 1) -> None:
-        self.done += n
-        if self.enabled and (self.done == self.total or self.done % 64 == 0):
-            width = 30
-            filled = width * self.done // self.total
-            sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] "
-                             f"{self.done}/{self.total}")
-            if self.done == self.total:
-                sys.stderr.write("\n")
-            sys.stderr.flush()
+def progress_bar(total: int, label: str, enabled: bool = True) -> tqdm:
+    """A progress bar on a terminal; silent otherwise (and in --json mode)."""
+    return tqdm(total=total, desc=label, unit="page", disable=None if enabled else True, leave=False)
 
 
 def _is_dir(path: Path) -> bool:
@@ -108,18 +95,18 @@ def verify_store(store: str | Path, progress: bool = True) -> dict:
     """Check every page file; corrupt ones are moved to quarantine."""
     dirs, namespaces = open_store(store)
     pages = [(ns, g, p) for ns, _ in namespaces for g, p, _ in _pages(ns, dirs)]
-    bar = Progress(len(pages), "verifying", progress)
     result = {"checked": 0, "ok": 0, "corrupt": 0, "quarantined": 0}
-    for ns, group, path in pages:
-        result["checked"] += 1
-        try:
-            with os.fdopen(open_page(path, os.O_RDONLY), "rb") as f:
-                pagefile.decode(f.read(), group, bytes.fromhex(path.stem))
-            result["ok"] += 1
-        except (OSError, ValueError, pagefile.CorruptPage):
-            result["corrupt"] += 1
-            result["quarantined"] += quarantine(ns, path, dirs)
-        bar.step()
+    with progress_bar(len(pages), "verifying", progress) as bar:
+        for ns, group, path in pages:
+            result["checked"] += 1
+            try:
+                with os.fdopen(open_page(path, os.O_RDONLY), "rb") as f:
+                    pagefile.decode(f.read(), group, bytes.fromhex(path.stem))
+                result["ok"] += 1
+            except (OSError, ValueError, pagefile.CorruptPage):
+                result["corrupt"] += 1
+                result["quarantined"] += quarantine(ns, path, dirs)
+            bar.update()
     return result
 
 
@@ -133,16 +120,16 @@ def gc_store(store: str | Path, max_bytes: int, progress: bool = True) -> dict:
     files.sort()
     total = sum(size for _, size, _ in files)
     removed = freed = 0
-    bar = Progress(max(0, len(files)), "collecting", progress)
-    for _, size, path in files:
-        if total <= max_bytes:
-            break
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            continue
-        total -= size
-        freed += size
-        removed += 1
-        bar.step()
+    with progress_bar(len(files), "collecting", progress) as bar:
+        for _, size, path in files:
+            if total <= max_bytes:
+                break
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                continue
+            total -= size
+            freed += size
+            removed += 1
+            bar.update()
     return {"removed_files": removed, "freed_bytes": freed, "total_bytes": total}

@@ -1,46 +1,67 @@
-"""Cache statistics as Prometheus text exposition (the dict form is ``Engine.stats()``)."""
+"""Cache statistics as Prometheus text exposition (the dict form is ``Engine.stats()``).
+
+``prometheus_client`` (the ``metrics`` extra) writes the text, so names, label escaping and
+the ``_total`` suffix of counters follow the exposition format.
+"""
 
 from __future__ import annotations
+
+from hybridkv.core.errors import HybridKVError
+
+GROUP_FIELDS = (("slots", "gauge", "slots in the group's RAM pool"),
+                ("used", "gauge", "slots holding a page"),
+                ("evictable", "gauge", "stored pages that may be evicted"),
+                ("stores", "counter", "pages stored into RAM"),
+                ("evictions", "counter", "pages evicted from RAM"),
+                ("store_refusals", "counter", "stores refused because nothing was evictable"))
+TIER_FIELDS = (("hits", "pages served from the tier"),
+               ("misses", "keys looked up in the tier and not found"),
+               ("bytes_in", "bytes stored into the tier"),
+               ("bytes_out", "bytes served from the tier"),
+               ("corrupt", "pages that failed verification"),
+               ("evictions", "pages evicted by the tier's quota"),
+               ("skipped_stores", "stores skipped while the tier was unavailable"),
+               ("outages", "times the tier became unreachable"))
+CONNECTOR_GAUGES = {"offers_pending": "page offers RAM has not taken yet"}
 
 
 def to_prometheus(stats: dict, prefix: str = "hybridkv") -> str:
     """Per-group pool gauges/counters, per-tier counters and connector counters."""
-    lines: list[str] = []
+    try:
+        from prometheus_client import CollectorRegistry, generate_latest
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    except ImportError:
+        raise HybridKVError("Prometheus output needs prometheus_client; "
+                            "pip install 'hybridkv[metrics]' or use --stats json") from None
+    families = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily}
 
-    def emit(name: str, kind: str, help_text: str, samples: list[tuple[dict, float]]) -> None:
-        if not samples:
-            return
-        full = f"{prefix}_{name}"
-        lines.append(f"# HELP {full} {help_text}")
-        lines.append(f"# TYPE {full} {kind}")
-        for labels, value in samples:
-            label_text = ",".join(f'{k}="{v}"' for k, v in labels.items())
-            lines.append(f"{full}{{{label_text}}} {value}" if label_text else f"{full} {value}")
+    def family(name: str, kind: str, text: str, labels: list[str], samples) -> object | None:
+        metric = families[kind](f"{prefix}_{name}", text, labels=labels)
+        for values, value in samples:
+            metric.add_metric([str(getattr(v, "value", v)) for v in values], value)
+        return metric if metric.samples else None
 
-    groups = stats.get("groups", {})
-    for field, kind, text in (("slots", "gauge", "slots in the group's RAM pool"),
-                              ("used", "gauge", "slots holding a page"),
-                              ("evictable", "gauge", "stored pages that may be evicted"),
-                              ("stores", "counter", "pages stored into RAM"),
-                              ("evictions", "counter", "pages evicted from RAM"),
-                              ("store_refusals", "counter", "stores refused because nothing was evictable")):
-        emit(f"ram_{field}" + ("_total" if kind == "counter" else ""), kind, text,
-             [({"group": gid, "kind": g["kind"]}, g[field]) for gid, g in groups.items()])
-    tiers = stats.get("tiers", {})
-    for field, text in (("hits", "pages served from the tier"),
-                        ("misses", "keys looked up in the tier and not found"), ("bytes_in", "bytes stored into the tier"),
-                        ("bytes_out", "bytes served from the tier"), ("corrupt", "pages that failed verification"),
-                        ("evictions", "pages evicted by the tier's quota"),
-                        ("skipped_stores", "stores skipped while the tier was unavailable"),
-                        ("outages", "times the tier became unreachable")):
-        emit(f"tier_{field}_total", "counter", text,
-             [({"tier": name}, t[field]) for name, t in tiers.items() if field in t])
-    if "pending_writes" in stats:
-        emit("pending_writes", "gauge", "write-through jobs not finished", [({}, stats["pending_writes"])])
-    connector = dict(stats.get("connector", {}))
-    if "offers_pending" in connector:
-        emit("connector_offers_pending", "gauge", "page offers RAM has not taken yet",
-             [({}, connector.pop("offers_pending"))])
-    for field, value in connector.items():
-        emit(f"connector_{field}_total", "counter", f"connector {field.replace('_', ' ')}", [({}, value)])
-    return "\n".join(lines) + "\n"
+    def collect():
+        groups = stats.get("groups", {})
+        for field, kind, text in GROUP_FIELDS:
+            yield family(f"ram_{field}", kind, text, ["group", "kind"],
+                         [((gid, g["kind"]), g[field]) for gid, g in groups.items()])
+        tiers = stats.get("tiers", {})
+        for field, text in TIER_FIELDS:
+            yield family(f"tier_{field}", "counter", text, ["tier"],
+                         [((name,), t[field]) for name, t in tiers.items() if field in t])
+        if "pending_writes" in stats:
+            yield family("pending_writes", "gauge", "write-through jobs not finished", [],
+                         [((), stats["pending_writes"])])
+        for field, value in stats.get("connector", {}).items():
+            kind = "gauge" if field in CONNECTOR_GAUGES else "counter"
+            text = CONNECTOR_GAUGES.get(field, f"connector {field.replace('_', ' ')}")
+            yield family(f"connector_{field}", kind, text, [], [((), value)])
+
+    class _Stats:
+        def collect(self):
+            return [m for m in collect() if m is not None]
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Stats())
+    return generate_latest(registry).decode()
