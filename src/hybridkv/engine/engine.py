@@ -20,6 +20,7 @@ from hybridkv.config import CacheConfig
 from hybridkv.connector import Connector
 from hybridkv.core.errors import HybridKVError
 from hybridkv.core.identity import checkpoint_revision, software_versions
+from hybridkv.core.requests import all_token_ids, check_max_new_tokens, check_salt
 from hybridkv.engine.hf_cache import ATTENTION_GROUP, STATE_GROUP, HFCacheAdapter
 from hybridkv.engine.models import BUILTINS, ByteTokenizer, load_model, weights_digest
 from hybridkv.engine.pinning import default_pin_hook
@@ -100,16 +101,14 @@ class Engine:
                 ids = self.encode(prompt)
             except UnicodeEncodeError:
                 raise HybridKVError("the prompt is not valid UTF-8 text; re-encode it as UTF-8") from None
-        elif all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        elif all_token_ids(prompt):
             ids = list(prompt)
         else:
             raise HybridKVError("prompt token ids must all be integers")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise HybridKVError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        check_max_new_tokens(max_new_tokens)
         if not ids:
             raise HybridKVError("the prompt is empty; give at least one token")
-        if salt is not None and not isinstance(salt, str):
-            raise HybridKVError(f"salt must be a string, got {salt!r}")
+        check_salt(salt)
         vocab = self.model.config.vocab_size
         if not all(0 <= t < vocab for t in ids):
             raise HybridKVError(f"prompt token ids must be in [0, {vocab}) for {self.model_name}")

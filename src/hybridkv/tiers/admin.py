@@ -17,7 +17,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from hybridkv.tiers import pagefile
-from hybridkv.tiers.filesystem import MANIFEST, QUARANTINE, open_page, quarantine
+from hybridkv.tiers.filesystem import MANIFEST, QUARANTINE, open_page, quarantine, regular_stat
 from hybridkv.tiers.store_dirs import StoreDirs, existing_store_mode
 
 
@@ -61,11 +61,8 @@ def _pages(namespace: Path, dirs: StoreDirs) -> Iterator[tuple[int, Path, os.sta
         for sub in gdir.iterdir():
             dirs.check(sub)
         for path in gdir.glob("*/*.blk"):
-            try:
-                st = path.lstat()
-            except FileNotFoundError:
-                continue
-            if stat.S_ISREG(st.st_mode):
+            st = regular_stat(path)
+            if st is not None:
                 yield group, path, st
 
 

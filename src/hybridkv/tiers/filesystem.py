@@ -92,13 +92,18 @@ def write_all(fd: int, buffers) -> None:
             views[0] = views[0][n:]
 
 
-def regular_size(path) -> int | None:
-    """The size of a regular file at ``path`` itself (symlinks and directories are not pages)."""
+def regular_stat(path) -> os.stat_result | None:
+    """The stat of a regular file at ``path`` itself (symlinks and directories are not pages)."""
     try:
         st = os.lstat(path)
     except OSError:
         return None
-    return st.st_size if stat.S_ISREG(st.st_mode) else None
+    return st if stat.S_ISREG(st.st_mode) else None
+
+
+def regular_size(path) -> int | None:
+    st = regular_stat(path)
+    return None if st is None else st.st_size
 
 
 def _tmp_owner_alive(name: str) -> bool:

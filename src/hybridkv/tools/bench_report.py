@@ -135,6 +135,15 @@ def tables(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot(res: dict, directory: str | Path) -> list[Path]:
     import matplotlib
 
@@ -162,10 +171,7 @@ def plot(res: dict, directory: str | Path) -> list[Path]:
         ax.set_xlabel("RAM budget (GiB)")
     axes[0].set_ylabel("token hit rate")
     axes[-1].legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(directory / "hit_rate_vs_budget.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save(fig, directory / "hit_rate_vs_budget.png"))
 
     rows = res["restore"]
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
@@ -178,10 +184,7 @@ def plot(res: dict, directory: str | Path) -> list[Path]:
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("TTFT (s)")
     ax.legend()
-    fig.tight_layout()
-    paths.append(directory / "ttft_vs_prompt.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save(fig, directory / "ttft_vs_prompt.png"))
 
     fs = res["fs"]
     bars = [("RAM slot copy", res["ram"]["copy_gbps"], res["ram"]["memcpy_gbps"]),
@@ -198,10 +201,7 @@ def plot(res: dict, directory: str | Path) -> list[Path]:
     ax.set_xticks(list(x), [b[0] for b in bars], fontsize=8)
     ax.set_ylabel("GB/s")
     ax.legend()
-    fig.tight_layout()
-    paths.append(directory / "throughput_vs_ceiling.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save(fig, directory / "throughput_vs_ceiling.png"))
     return paths
 
 

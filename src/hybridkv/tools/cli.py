@@ -12,6 +12,7 @@ from dataclasses import fields
 
 from hybridkv.config import CacheConfig
 from hybridkv.core.errors import HybridKVError
+from hybridkv.core.requests import all_token_ids, check_max_new_tokens, check_salt
 from hybridkv.core.sizes import format_size, parse_size
 
 
@@ -143,14 +144,11 @@ def _check_request(item, where: str) -> dict:
     if "prompt" in item and not isinstance(item["prompt"], str):
         raise HybridKVError(f"{where}: prompt must be a string; use prompt_ids for token ids")
     ids = item.get("prompt_ids")
-    if ids is not None and not (isinstance(ids, list)
-                                and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+    if ids is not None and not (isinstance(ids, list) and all_token_ids(ids)):
         raise HybridKVError(f"{where}: prompt_ids must be a list of integers")
-    n = item.get("max_new_tokens")
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-        raise HybridKVError(f"{where}: max_new_tokens must be an integer >= 1, got {n!r}")
-    if not isinstance(item.get("salt", ""), str):
-        raise HybridKVError(f"{where}: salt must be a string, got {item['salt']!r}")
+    if "max_new_tokens" in item:
+        check_max_new_tokens(item["max_new_tokens"], f"{where}: ")
+    check_salt(item.get("salt"), f"{where}: ")
     return item
 
 
