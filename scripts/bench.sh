@@ -15,6 +15,8 @@ if command -v redis-server >/dev/null 2>&1; then
   remote=(--remote "redis://127.0.0.1:$port/0")
 fi
 mkdir -p docs/img
-.venv/bin/hybridkv bench "$@" "${remote[@]}" --plot docs/img --json > docs/bench.json
+# Into a temp file first: a failed or interrupted run keeps the last good results.
+.venv/bin/hybridkv bench "$@" "${remote[@]}" --plot docs/img --json > docs/bench.json.tmp
+mv docs/bench.json.tmp docs/bench.json
 .venv/bin/python -m hybridkv.tools.bench_report docs/bench.json docs/benchmarks.md
 echo "wrote docs/benchmarks.md"
