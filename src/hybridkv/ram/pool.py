@@ -49,6 +49,17 @@ class PoolEvent:
     keys: tuple
 
 
+class PoolEntry:
+    """A resident key's slot and reference count: ``WRITE_PENDING`` until its bytes land (not
+    ready: invisible to loads), 0 when evictable, the number of pins otherwise. A class with
+    ``__slots__`` rather than a dataclass: this is created once per store on the hot path."""
+
+    __slots__ = ("slot", "refs")
+
+    def __init__(self, slot: int, refs: int = WRITE_PENDING):
+        self.slot, self.refs = slot, refs
+
+
 @dataclass
 class PoolStats:
     stores: int = 0
@@ -65,7 +76,7 @@ class SlotPool:
         self.group_id = group_id
         self.capacity = capacity
         self.policy = make_policy(policy, capacity) if isinstance(policy, str) else policy
-        self._entries: dict = {}   # key -> [slot id, reference count]
+        self._entries: dict[object, PoolEntry] = {}
         self._free: list[int] = []
         self._fresh = 0            # slots never handed out start here (lazy free list)
         self.stats = PoolStats()
@@ -90,16 +101,16 @@ class SlotPool:
         entry = self._entries.get(key)
         if entry is None:
             return MISS
-        if entry[1] == WRITE_PENDING:
+        if entry.refs == WRITE_PENDING:
             return HIT_PENDING
         return HIT
 
     def slot_of(self, key) -> int:
-        return self._entries[key][0]
+        return self._entries[key].slot
 
     def refs_of(self, key) -> int | None:
         entry = self._entries.get(key)
-        return None if entry is None else entry[1]
+        return None if entry is None else entry.refs
 
     # -- loads ---------------------------------------------------------------------------
     def prepare_load(self, keys: Sequence) -> list[int]:
@@ -107,25 +118,25 @@ class SlotPool:
         entries, policy = self._entries, self.policy
         for key in keys:
             entry = entries.get(key)
-            if entry is None or entry[1] == WRITE_PENDING:
+            if entry is None or entry.refs == WRITE_PENDING:
                 raise KeyError(f"group {self.group_id}: key is not loadable")
         slots = []
         for key in keys:
             entry = entries[key]
-            if entry[1] == 0:
+            if entry.refs == 0:
                 policy.set_evictable(key, False)
-            entry[1] += 1
-            slots.append(entry[0])
+            entry.refs += 1
+            slots.append(entry.slot)
         return slots
 
     def complete_load(self, keys: Sequence) -> None:
         entries, policy = self._entries, self.policy
         for key in keys:
             entry = entries[key]
-            if entry[1] <= 0:
+            if entry.refs <= 0:
                 raise ValueError(f"group {self.group_id}: complete_load without prepare_load")
-            entry[1] -= 1
-            if entry[1] == 0:
+            entry.refs -= 1
+            if entry.refs == 0:
                 policy.set_evictable(key, True)
 
     # -- stores --------------------------------------------------------------------------
@@ -165,7 +176,7 @@ class SlotPool:
                 self.stats.store_refusals += 1
                 return None
             for key in victims:
-                free.append(entries.pop(key)[0])
+                free.append(entries.pop(key).slot)
             self.stats.evictions += len(victims)
             if self.events is not None:
                 self.events.append(PoolEvent(EventKind.REMOVED, self.group_id, tuple(victims)))
@@ -178,7 +189,7 @@ class SlotPool:
             else:
                 s = self._fresh
                 self._fresh += 1
-            entries[key] = [s, WRITE_PENDING]
+            entries[key] = PoolEntry(s)
             inserted(key)
             slots.append(s)
         return StorePlan(new, slots, evicted)
@@ -188,8 +199,8 @@ class SlotPool:
         entries, policy = self._entries, self.policy
         if success and len(keys) == 1:  # the common case, without list building
             entry = entries.get(keys[0])
-            if entry is not None and entry[1] == WRITE_PENDING:
-                entry[1] = 0
+            if entry is not None and entry.refs == WRITE_PENDING:
+                entry.refs = 0
                 policy.set_evictable(keys[0], True)
                 self.stats.stores += 1
                 if self.events is not None:
@@ -198,14 +209,14 @@ class SlotPool:
         done = []
         for key in keys:
             entry = entries.get(key)
-            if entry is None or entry[1] != WRITE_PENDING:
+            if entry is None or entry.refs != WRITE_PENDING:
                 continue
             if success:
-                entry[1] = 0
+                entry.refs = 0
                 policy.set_evictable(key, True)
             else:
                 del entries[key]
-                self._free.append(entry[0])
+                self._free.append(entry.slot)
                 policy.removed(key)
             done.append(key)
         if not done:
@@ -227,9 +238,9 @@ class SlotPool:
 
     def reset(self) -> None:
         """Forget every idle key; pinned and write-pending keys stay (their users hold slots)."""
-        idle = [k for k, e in self._entries.items() if e[1] == 0]
+        idle = [k for k, e in self._entries.items() if e.refs == 0]
         for key in idle:
-            self._free.append(self._entries.pop(key)[0])
+            self._free.append(self._entries.pop(key).slot)
             self.policy.removed(key)
         if idle and self.events is not None:
             self.events.append(PoolEvent(EventKind.REMOVED, self.group_id, tuple(idle)))
