@@ -41,7 +41,7 @@ class Server:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
                     return
             except OSError:
-                time.sleep(1)
+                time.sleep(0.2)
         self.stop()
         raise AssertionError(f"vllm serve did not become healthy; see {log_path}")
 
