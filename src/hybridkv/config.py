@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from hybridkv.core.errors import HybridKVError
+from hybridkv.core.errors import HybridKVError, read_input_file
 from hybridkv.core.sizes import parse_size
 from hybridkv.ram.policies import POLICIES
 
@@ -150,10 +150,7 @@ def _coerce(name: str, value):
 
 def read_config_file(path: str | Path) -> dict:
     path = Path(path)
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise HybridKVError(f"cannot read config file {path}: {e.strerror}") from None
+    data = read_input_file(path, "config file")
     try:
         raw = tomllib.loads(data.decode()) if path.suffix == ".toml" else json.loads(data)
     except (ValueError, UnicodeDecodeError) as e:

@@ -97,3 +97,12 @@ def test_engine_version_enters_the_fingerprint_and_round_trips():
     a, b = Layout("m", 16, groups, engine="vllm 0.32.0"), Layout("m", 16, groups, engine="vllm 0.33.0")
     assert len({plain.fingerprint(), a.fingerprint(), b.fingerprint()}) == 3
     assert layout_from_dict(a.to_dict()).fingerprint() == a.fingerprint()
+
+
+def test_unreadable_or_binary_layout_files_are_one_line_errors(tmp_path):
+    with pytest.raises(HybridKVError, match="cannot read layout file .*check the path"):
+        load_layout(tmp_path / "missing.json")
+    binary = tmp_path / "binary.json"
+    binary.write_bytes(b"\xff\xfe\x00\x80garbage")
+    with pytest.raises(HybridKVError, match="not (UTF-8 text|valid JSON)"):
+        load_layout(binary)

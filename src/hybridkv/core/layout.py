@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
-from hybridkv.core.errors import HybridKVError
+from hybridkv.core.errors import HybridKVError, read_input_file
 
 FORMAT_VERSION = 1
 
@@ -214,13 +214,11 @@ def layout_from_dict(raw) -> Layout:
 def load_layout(path: str | Path) -> Layout:
     path = Path(path)
     try:
-        text = path.read_text()
-    except OSError as e:
-        raise HybridKVError(f"cannot read layout file {path}: {e.strerror}; check the path") from None
-    try:
-        raw = json.loads(text)
+        raw = json.loads(read_input_file(path, "layout file"))
     except json.JSONDecodeError as e:
         raise HybridKVError(
             f"layout file {path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})"
         ) from None
+    except UnicodeDecodeError:
+        raise HybridKVError(f"layout file {path} is not UTF-8 text; write it as JSON") from None
     return layout_from_dict(raw)
