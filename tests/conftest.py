@@ -12,6 +12,11 @@ from helpers.redis_server import RedisServer
 collect_ignore = [] if importlib.util.find_spec("vllm") else ["integrations"]
 
 
+def pytest_collection_modifyitems(items):
+    """Long tests first, so the xdist workers do not wait on one of them at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
+
+
 @pytest.fixture
 def seed_layout_dict():
     return json.loads((LAYOUTS / "seed-flash-next.json").read_text())

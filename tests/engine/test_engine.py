@@ -158,6 +158,7 @@ def test_max_stored_tokens_caps_what_a_request_stores():
         assert first.stored_pages == {"attention": 2, "state": 0}
 
 
+@pytest.mark.long
 def test_restart_in_fresh_process_via_cli(tmp_path):
     args = ["generate", "--store", tmp_path, "--prompt", "hello hybrid world " * 12,
             "--max-new-tokens", "5", "--json"]

@@ -111,6 +111,7 @@ def test_server_down_at_start_gives_misses_not_errors():
     tier.close()
 
 
+@pytest.mark.long
 def test_two_engine_processes_share_one_redis(redis_url, tmp_path):
     prompt = tmp_path / "p.json"
     prompt.write_text(json.dumps(ids(4 * B + 9, seed=21)))

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from hybridkv.tiers import filesystem
 from hybridkv.tiers.admin import gc_store, inspect_store, verify_store
@@ -154,6 +155,7 @@ def _run_read_only(store, args):
     return proc
 
 
+@pytest.mark.long
 def test_read_only_store_serves_what_verifies_and_misses_the_rest(tmp_path):
     ids = tmp_path / "ids.txt"
     ids.write_text(" ".join(str(3 + (i * 7) % 200) for i in range(5 * 64 + 3)))

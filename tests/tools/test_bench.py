@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from hybridkv.tools.bench import bench_fs, bench_ram, bench_remote
 from hybridkv.tools.bench_report import plot, tables
 
@@ -18,6 +20,7 @@ def test_remote_benchmark(redis_url):
     assert r["set_gbps"] > 0 and r["get_gbps"] > 0 and r["naive_get_gbps"] > 0
 
 
+@pytest.mark.long
 def test_bench_cli_quick_json_and_report(tmp_path):
     # vLLM's side of the manager comparison is tested in tests/integrations/vllm; here it is absent
     proc = run_cli("bench", "--quick", "--json", "--manager-slots", "4096", "--plot", tmp_path,

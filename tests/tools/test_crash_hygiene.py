@@ -6,7 +6,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.long
 def test_crash_hygiene_rules_hold_in_every_scenario():
     proc = subprocess.run([sys.executable, "-m", "hybridkv.tools.crash_hygiene", "--loops", "2", "--json"],
                           capture_output=True, text=True, timeout=600)

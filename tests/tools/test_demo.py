@@ -1,8 +1,11 @@
 import json
 
+import pytest
+
 from helpers.cli import run_cli
 
 
+@pytest.mark.long
 def test_demo_tells_the_whole_story(tmp_path):
     chart = tmp_path / "demo.png"
     proc = run_cli("demo", "--prompt-tokens", "640", "--json", "--plot", chart, "--store", tmp_path / "s")
