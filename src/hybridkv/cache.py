@@ -196,16 +196,17 @@ class TieredCache:
             items = by_tier.get(tier.name, [])
             for (gid, key, _), future in zip(items, tier.submit_reads(items), strict=True):
                 jobs.append((gid, key, tier, future))
-        ok = True
+        outcome: dict[bool, dict[int, list[bytes]]] = {True: {}, False: {}}
         for gid, key, tier, future in jobs:
             success = bool(future.result())
-            self.pools.complete_store({gid: [key]}, success)
+            outcome[success].setdefault(gid, []).append(key)
             if success:
                 counters = self.counters[tier.name]
                 counters.hits += 1
                 counters.bytes_out += self.layout.group(gid).page_bytes
-            ok = ok and success
-        return ok
+        for success, keys in outcome.items():
+            self.pools.complete_store(keys, success)
+        return not outcome[False]
 
     # -- stores -----------------------------------------------------------------------------
     def store(self, pages: Mapping[int, Sequence[tuple[bytes, np.ndarray]]]) -> bool:

@@ -23,6 +23,7 @@ class IOQueue:
             threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(threads)
         ]
         self._closed = False
+        self.threads = threads
         for t in self._threads:
             t.start()
 
