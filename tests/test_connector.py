@@ -153,6 +153,7 @@ def test_state_keys_reach_the_disk_only_when_ram_lacks_them(tmp_path):
         conn.finish(req)
     fs.close()
     fs = FilesystemTier(tmp_path / "s", LAYOUT, direct=False)    # a new process: RAM empty
+    assert fs.wait_scanned(30)          # until then a key the index lacks costs a stat
     with TieredCache(LAYOUT, config, secondaries=[fs]) as cache:
         conn = Connector(cache)
         req = conn.begin("restart", ids)

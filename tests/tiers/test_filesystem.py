@@ -2,6 +2,7 @@
 
 import os
 import signal
+import threading
 import time
 
 import numpy as np
@@ -73,10 +74,48 @@ def test_startup_scan_rebuilds_index_in_mtime_order(tmp_path):
         os.utime(page_path(tier.namespace, 0, key(i)), ns=(10**18 + i, 10**18 + (2 - i)))
     tier.close()
     again = FilesystemTier(tmp_path, LAYOUT, max_bytes=3 * size)
+    assert again.wait_scanned(30)
     assert again.total_bytes() == 3 * size
     again.write(0, key(9), page(0, 9))
     assert not again.contains(0, key(2))      # the oldest mtime went first
     again.close()
+
+
+class PausedScan(FilesystemTier):
+    """The real tier, with its start-up scan held until the test lets it go."""
+
+    def __init__(self, *args, **kwargs):
+        self.go = threading.Event()
+        super().__init__(*args, **kwargs)
+
+    def _index_pages(self, page_dirs):
+        self.go.wait(30)
+        super()._index_pages(page_dirs)
+
+
+def test_store_serves_before_its_scan_ends_and_keeps_order_and_quota_after(tmp_path):
+    size = pagefile.HEADER_BYTES + 4096
+    tier = FilesystemTier(tmp_path, LAYOUT)
+    for i in range(4):
+        tier.write(0, key(i), page(0, i))
+        os.utime(page_path(tier.namespace, 0, key(i)), ns=(10**18 + i, 10**18 + i))
+    tier.close()
+    paused = PausedScan(tmp_path, LAYOUT, max_bytes=4 * size)
+    out = np.empty(4096, np.uint8)
+    assert not paused.scanned.is_set()
+    assert paused.contains(0, key(1)) and paused.stats["disk_lookups"] == 1   # found by stat
+    assert paused.read(0, key(1), out) and np.array_equal(out, page(0, 1))
+    page_path(paused.namespace, 0, key(2)).unlink()     # another process removed it
+    assert not paused.read(0, key(2), out)               # forgotten: the scan must not revive it
+    for i in (8, 9):                                     # over the quota, which waits for the scan
+        paused.write(0, key(i), page(0, i))
+    assert all(page_path(paused.namespace, 0, key(i)).exists() for i in (0, 3, 8, 9))
+    paused.go.set()
+    assert paused.wait_scanned(30)
+    # on disk 0, 1, 3 (scanned, 0 oldest), then 8, 9 (written during the scan): 5 pages, room for 4
+    assert [paused.contains(0, key(i)) for i in (0, 1, 2, 3, 8, 9)] == [False, True, False, True, True, True]
+    assert paused.total_bytes() == 4 * size and paused.stats["evictions"] == 1
+    paused.close()
 
 
 def test_kill_during_write_storm_serves_no_corrupt_page(tmp_path):
@@ -86,6 +125,7 @@ def test_kill_during_write_storm_serves_no_corrupt_page(tmp_path):
     child.send_signal(signal.SIGKILL)
     child.wait()
     tier = FilesystemTier(tmp_path, LAYOUT)
+    assert tier.wait_scanned(30)                      # the scan reclaims orphans in the background
     assert not list(tier.namespace.rglob("*.tmp"))
     served = 0
     for g, size in ((0, 4096), (1, 16384)):

@@ -20,6 +20,7 @@ import stat
 import tempfile
 import threading
 import time
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -69,6 +70,15 @@ def page_file(namespace: str, group: int, key: bytes) -> str:
 
 def page_path(namespace: Path, group: int, key: bytes) -> Path:
     return Path(page_file(str(namespace), group, key))
+
+
+def _ident(group: int, key: bytes) -> bytes:
+    """Index key of a page: group and key in one bytes object (a tuple of both costs 1.5x)."""
+    return group.to_bytes(2, "big") + key
+
+
+def _group_key(ident: bytes) -> tuple[int, bytes]:
+    return int.from_bytes(ident[:2], "big"), ident[2:]
 
 
 def _check_size(got: int, want: int) -> None:
@@ -160,17 +170,24 @@ class FilesystemTier(SecondaryTier):
                         self.root, e.strerror)
         self.direct = (not self.read_only and probe_direct_io(self.namespace)) if direct is None else direct
         self._lock = threading.Lock()
-        self._index: OrderedDict = OrderedDict()   # (group, key) -> file bytes, LRU first
+        self._index: OrderedDict[bytes, int] = OrderedDict()   # ident -> file bytes, LRU first
         self._bytes = 0
+        self._sizes: dict[int, int] = {}           # one int object per distinct file size
+        self._gone: set[bytes] | None = set()      # pages dropped while the scan runs; None after
+        self.scanned = threading.Event()           # the start-up scan has indexed the store
+        self._closing = False
         self._start = process_start_time(os.getpid())
         self._local = threading.local()            # per-thread aligned buffer for O_DIRECT
         self.stats = {"reads": 0, "read_bytes": 0, "writes": 0, "write_bytes": 0,
                       "corrupt": 0, "read_errors": 0, "write_errors": 0, "evictions": 0,
                       "orphans_removed": 0, "disk_lookups": 0}
         self._write_errnos: set[int] = set()      # failure kinds already logged
-        self._bad: set = set()                     # corrupt pages we could not move aside
-        self._scan()
+        self._bad: set[bytes] = set()              # corrupt pages we could not move aside
+        page_dirs = self._check_dirs()
         self._io = IOQueue(threads, "hybridkv-fs")
+        self._scanner = threading.Thread(target=self._scan, args=(page_dirs,), daemon=True,
+                                         name="hybridkv-fs-scan")
+        self._scanner.start()
 
     # -- start-up -------------------------------------------------------------------------
     def _write_manifest(self) -> None:
@@ -184,45 +201,95 @@ class FilesystemTier(SecondaryTier):
                        "model": self.layout.model, "layout": self.layout.to_dict()}, out, indent=2)
         os.replace(tmp, path)
 
-    def _scan(self) -> None:
-        """Rebuild the index from the files (oldest mtime first) and drop orphaned temp files."""
-        found = []
+    def _check_dirs(self) -> list[tuple[int, list[Path]]]:
+        """The page directories of each group, each checked now: a directory another user
+        controls is refused at open, not discovered later by the background scan."""
         if not self.namespace.is_dir():
-            return
+            return []
+        found = []
         for gdir in self.namespace.glob("g*"):
             try:
                 group = int(gdir.name[1:])
             except ValueError:
                 continue
             self.dirs.check(gdir)
-            for sub in gdir.iterdir():
+            subs = list(gdir.iterdir())
+            for sub in subs:
                 self.dirs.check(sub)
-            for entry in gdir.glob("*/*"):
-                name = entry.name
-                if name.endswith(".tmp"):
-                    if not self.read_only and not _tmp_owner_alive(name):
-                        with contextlib.suppress(OSError):
-                            entry.unlink()
-                            self.stats["orphans_removed"] += 1
-                    continue
-                if not name.endswith(".blk"):
-                    continue
+            found.append((group, subs))
+        return found
+
+    def _scan(self, page_dirs: list[tuple[int, list[Path]]]) -> None:
+        """Index the pages on disk, oldest mtime first, and drop orphaned temp files.
+
+        Runs in the background so a store of a million pages opens at once; until it ends,
+        a key the index lacks costs one ``stat`` (``contains``) and the quota waits.
+        """
+        try:
+            self._index_pages(page_dirs)
+        except Exception:   # the files stay the truth: lookups fall back to stat
+            log.exception("filesystem tier: the start-up scan of %s failed", self.namespace)
+            with self._lock:
+                self._gone = None
+        if not self._closing:
+            self._enforce_quota(keep=None)
+            self.scanned.set()
+
+    def _index_pages(self, page_dirs: list[tuple[int, list[Path]]]) -> None:
+        mtimes, idents, sizes = array("q"), [], array("q")
+        for group, subs in page_dirs:
+            for sub in subs:
+                if self._closing:
+                    return
                 try:
-                    st = entry.lstat()
-                    key = bytes.fromhex(name[:-4])
-                except (OSError, ValueError):
+                    with os.scandir(sub) as entries:
+                        for entry in entries:
+                            self._scan_entry(entry, group, mtimes, idents, sizes)
+                except OSError:
                     continue
-                if stat.S_ISREG(st.st_mode):
-                    found.append((st.st_mtime_ns, (group, key), st.st_size))
-        found.sort()
-        for _, ident, size in found:
-            self._index[ident] = size
-            self._bytes += size
+        order = np.argsort(np.frombuffer(mtimes, np.int64), kind="stable") if idents else []
+        scanned = OrderedDict((idents[i], self._size(sizes[i])) for i in order)
+        total = sum(sizes)
+        with self._lock:
+            for ident in self._gone:
+                total -= scanned.pop(ident, 0)
+            for ident, size in self._index.items():   # indexed since start-up: the most recent
+                total += size - scanned.pop(ident, 0)
+                scanned[ident] = size
+            self._index, self._bytes, self._gone = scanned, total, None
+
+    def _scan_entry(self, entry: os.DirEntry, group: int, mtimes, idents, sizes) -> None:
+        name = entry.name
+        if name.endswith(".tmp"):
+            if not self.read_only and not _tmp_owner_alive(name):
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
+                    self.stats["orphans_removed"] += 1
+            return
+        if not name.endswith(".blk"):
+            return
+        try:
+            st = entry.stat(follow_symlinks=False)
+            key = bytes.fromhex(name[:-4])
+        except (OSError, ValueError):
+            return
+        if stat.S_ISREG(st.st_mode):
+            mtimes.append(st.st_mtime_ns)
+            idents.append(_ident(group, key))
+            sizes.append(st.st_size)
+
+    def _size(self, nbytes: int) -> int:
+        """The one int object for this size: a million index entries share a few."""
+        return self._sizes.setdefault(nbytes, nbytes)
+
+    def wait_scanned(self, timeout: float | None = None) -> bool:
+        """Block until the start-up scan has indexed the store (tools, tests)."""
+        return self.scanned.wait(timeout)
 
     # -- lookups --------------------------------------------------------------------------
     def contains(self, group: int, key: bytes) -> bool:
         """From the index; a file another process wrote since our scan is picked up too."""
-        ident = (group, key)
+        ident = _ident(group, key)
         with self._lock:
             if ident in self._index:
                 return True
@@ -234,11 +301,12 @@ class FilesystemTier(SecondaryTier):
             return False
         with self._lock:
             if ident not in self._index:
-                self._index[ident] = size
+                self._index[ident] = self._size(size)
                 self._bytes += size
         return True
 
     def total_bytes(self) -> int:
+        """Bytes of the indexed pages (while the start-up scan runs: those indexed so far)."""
         return self._bytes
 
     # -- reads ----------------------------------------------------------------------------
@@ -259,7 +327,7 @@ class FilesystemTier(SecondaryTier):
             self._forget(group, key)
             if not moved:
                 with self._lock:
-                    self._bad.add((group, key))
+                    self._bad.add(_ident(group, key))
             with self._lock:
                 self.stats["corrupt"] += 1
             return False
@@ -272,8 +340,9 @@ class FilesystemTier(SecondaryTier):
         with self._lock:
             self.stats["reads"] += 1
             self.stats["read_bytes"] += out.nbytes
-            if (group, key) in self._index:
-                self._index.move_to_end((group, key))
+            ident = _ident(group, key)
+            if ident in self._index:
+                self._index.move_to_end(ident)
         return True
 
     def read_many(self, items: Sequence[ReadItem]) -> list[bool]:
@@ -366,14 +435,17 @@ class FilesystemTier(SecondaryTier):
             self._write_failed(path, e)
             return False
         size = len(header) + len(memoryview(payload).cast("B"))
+        ident = _ident(group, key)
         with self._lock:
-            self._bad.discard((group, key))
-            old = self._index.pop((group, key), None)
+            self._bad.discard(ident)
+            if self._gone is not None:
+                self._gone.discard(ident)
+            old = self._index.pop(ident, None)
             self._bytes += size - (old or 0)
-            self._index[(group, key)] = size
+            self._index[ident] = self._size(size)
             self.stats["writes"] += 1
             self.stats["write_bytes"] += size
-        self._enforce_quota(keep=(group, key))
+        self._enforce_quota(keep=ident)
         return True
 
     def _write_direct(self, tmp: Path, header: bytes, payload) -> None:
@@ -396,8 +468,9 @@ class FilesystemTier(SecondaryTier):
     def submit_writes(self, items: list[tuple[int, bytes, object]]) -> list[Future]:
         return [self._io.submit(WRITE, self.write, *item) for item in items]
 
-    def _enforce_quota(self, keep) -> None:
-        if self.max_bytes is None:
+    def _enforce_quota(self, keep: bytes | None) -> None:
+        """Evict from the LRU end down to the quota; not before the scan has ordered the store."""
+        if self.max_bytes is None or self._gone is not None:
             return
         victims = []
         with self._lock:               # O(evicted) per write: the LRU end of the index, no scan
@@ -409,8 +482,9 @@ class FilesystemTier(SecondaryTier):
                 self._bytes -= size
                 victims.append(ident)
             self.stats["evictions"] += len(victims)
-        for group, key in victims:
-            page_path(self.namespace, group, key).unlink(missing_ok=True)
+        for ident in victims:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(page_file(self._namespace_str, *_group_key(ident)))
 
     def _write_failed(self, path: Path, error: OSError | HybridKVError) -> None:
         """One log line per kind of failure, not one per page; a store gone read-only stays so."""
@@ -426,13 +500,18 @@ class FilesystemTier(SecondaryTier):
                         "in stats, not logged)", path, error)
 
     def _forget(self, group: int, key: bytes) -> None:
+        ident = _ident(group, key)
         with self._lock:
-            size = self._index.pop((group, key), None)
+            size = self._index.pop(ident, None)
             if size is not None:
                 self._bytes -= size
+            if self._gone is not None:
+                self._gone.add(ident)
 
     def close(self) -> None:
         """Drain queued writes so a clean exit loses nothing acknowledged."""
+        self._closing = True
+        self._scanner.join()
         self._io.close()
 
     def contains_many(self, group: int, keys) -> list[bool]:

@@ -117,6 +117,7 @@ def kill9_writers(loops: int, work: Path) -> dict:
         totals["acked_writes"] += sum(len(a.read_text().splitlines()) for a in acks)
 
         tier = FilesystemTier(store, LAYOUT, direct=False)       # the next start
+        tier.wait_scanned()                                     # it reclaims orphans as it scans
         totals["orphans_reclaimed"] += tier.stats["orphans_removed"]
         totals["temp_files_left"] += sum(1 for _ in tier.namespace.rglob("*.tmp"))
         totals["acked_pages_lost"] += sum(not tier.contains(g, k) for g, k in acked)
