@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from hybridkv.tools.bench import bench_fs, bench_ram, bench_remote
+from hybridkv.tools.bench import bench_fs, bench_fs_batch, bench_fs_startup, bench_ram, bench_remote
 from hybridkv.tools.bench_report import plot, tables
 
 from helpers.cli import assert_one_line_error, cli, run_cli
@@ -13,6 +13,14 @@ def test_tier_benchmarks_report_ratios(tmp_path):
     assert ram["copy_gbps"] > 0 and ram["ratio"] == ram["copy_gbps"] / ram["memcpy_gbps"]
     fs = bench_fs(str(tmp_path), page_bytes=1 << 20, pages=4, repeats=1)
     assert fs["buffered"]["read_ratio"] > 0 and fs["mode"] in ("buffered", "direct")
+
+
+def test_filesystem_batch_and_startup_benchmarks_report_ratios():
+    (row,) = bench_fs_batch(page_sizes=(32 * 1024,), total_bytes=1 << 20, repeats=1)
+    assert row["pages"] == 32 and row["ratio"] == row["read_gbps"] / row["raw_read_gbps"] > 0
+    st = bench_fs_startup(pages=500)
+    assert st["indexed"] == 500 and st["open_s"] > 0 and st["scanned_s"] >= st["open_s"]
+    assert st["index_bytes_per_page"] > 0 and st["scan_ratio"] == st["scanned_s"] / st["raw_walk_s"]
 
 
 def test_remote_benchmark(redis_url):
@@ -45,6 +53,7 @@ def test_bench_cli_quick_json_and_report(tmp_path):
         "hit_rate_vs_budget.png", "throughput_vs_ceiling.png", "ttft_vs_prompt.png"]
     text = tables(res)
     assert "Restore vs recompute" in text and "| hybridkv lru |" in text
+    assert "batched reads as a promotion does them" in text and "page files" in text
     assert "vllm" not in res["manager"] and "| vLLM | not measured in this run" in text
     assert plot(res, tmp_path / "again")
 

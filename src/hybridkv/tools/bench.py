@@ -8,6 +8,7 @@ restore vs recompute TTFT on the default model, and the workload simulator.
 from __future__ import annotations
 
 import contextlib
+import functools
 import mmap
 import os
 import shutil
@@ -152,6 +153,94 @@ def bench_fs(directory: str | None = None, page_bytes: int = 4 * MiB, pages: int
                                        "write_ratio", "read_ratio")})
     result["mode"] = "direct" if "direct" in result else "buffered"
     return result
+
+
+def bench_fs_batch(page_sizes: tuple[int, ...] = (32 * 1024, 256 * 1024, 2 * MiB),
+                   total_bytes: int = 64 * MiB, repeats: int = 5) -> list[dict]:
+    """Batched reads as a promotion does them (``submit_reads``: verified, copied into the
+    destination pages) vs raw reads of the very same files the way the tier reads them."""
+    from hybridkv.tiers.filesystem import FilesystemTier
+
+    rows = []
+    for page_bytes in page_sizes:
+        root = Path(tempfile.mkdtemp(prefix="hybridkv-bench-batch-"))
+        pages = max(8, total_bytes // page_bytes)
+        try:
+            tier = FilesystemTier(root, _page_layout(page_bytes))
+            payload = np.random.default_rng(page_bytes).integers(0, 256, page_bytes, dtype=np.uint8)
+            keys = [i.to_bytes(16, "big") for i in range(pages)]
+            for future in tier.submit_writes([(0, k, payload) for k in keys]):
+                future.result()
+            items = [(0, k, np.empty(page_bytes, np.uint8)) for k in keys]
+            seconds, spread = _median(functools.partial(_timed_reads, tier, items), repeats)
+            tier.close()
+            ceiling = _same_pages_ceilings(root, repeats)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        gbps = _gbps(pages * page_bytes, seconds)
+        rows.append({"page_bytes": page_bytes, "pages": pages, "read_gbps": gbps,
+                     "mode": ceiling["raw_read_mode"], "raw_read_gbps": ceiling["raw_read_same_pages_gbps"],
+                     "ratio": gbps / ceiling["raw_read_same_pages_gbps"],
+                     "spread_s": spread})
+    return rows
+
+
+def _timed_reads(tier, items) -> float:
+    t = time.perf_counter()
+    if not all(f.result() for f in tier.submit_reads(items)):
+        raise RuntimeError("a benchmark page did not read back")
+    return time.perf_counter() - t
+
+
+def bench_fs_startup(pages: int = 200_000, page_bytes: int = 32 * 1024) -> dict:
+    """Opening a store of ``pages`` page files: time until the tier serves, until its
+    background scan has indexed every page, and the index's bytes per page; the ceiling is
+    a raw ``scandir`` + ``lstat`` walk of the same files (all with warm directory caches)."""
+    import tracemalloc
+
+    from hybridkv.tiers.filesystem import FilesystemTier, page_file
+
+    layout = _page_layout(page_bytes)
+    root = Path(tempfile.mkdtemp(prefix="hybridkv-bench-startup-"))
+    try:
+        namespace = FilesystemTier(root, layout)
+        namespace.close()
+        blob = b"\0" * 64        # the scan reads names and stat, not contents: small files suffice
+        for i in range(pages):
+            path = page_file(str(namespace.namespace), 0, i.to_bytes(16, "big"))
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+            except FileNotFoundError:
+                os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+            os.write(fd, blob)
+            os.close(fd)
+
+        def raw_walk() -> float:
+            t = time.perf_counter()
+            for sub in os.scandir(namespace.namespace / "g0"):
+                for entry in os.scandir(sub.path):
+                    entry.stat(follow_symlinks=False)
+            return time.perf_counter() - t
+
+        raw = min(raw_walk() for _ in range(2))
+        t = time.perf_counter()
+        tier = FilesystemTier(root, layout)
+        opened = time.perf_counter() - t
+        tier.wait_scanned()
+        scanned = time.perf_counter() - t
+        indexed = len(tier._index)
+        tier.close()
+        tracemalloc.start()
+        tier = FilesystemTier(root, layout)
+        tier.wait_scanned()
+        index_bytes = tracemalloc.get_traced_memory()[0]
+        tracemalloc.stop()
+        tier.close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return {"pages": pages, "indexed": indexed, "open_s": opened, "scanned_s": scanned,
+            "raw_walk_s": raw, "scan_ratio": scanned / raw, "index_bytes_per_page": index_bytes / pages}
 
 
 def _dd(directory: Path, block: int, count: int) -> float | None:
@@ -409,6 +498,10 @@ def run_bench(quick: bool = False, remote: str | None = None, manager_slots: int
     out["ram"] = bench_ram(pages=32 if quick else 128)
     progress("tiers: filesystem vs raw disk")
     out["fs"] = bench_fs(pages=32 if quick else 128, repeats=3 if quick else 5)
+    progress("tiers: filesystem batched reads (promotion path) vs raw reads of the same files")
+    out["fs_batch"] = bench_fs_batch(total_bytes=(16 if quick else 64) * MiB, repeats=3 if quick else 5)
+    progress("tiers: opening a large filesystem store")
+    out["fs_startup"] = bench_fs_startup(20_000 if quick else 200_000)
     if remote:
         progress("tiers: remote")
         out["remote"] = [bench_remote(remote, 64 * 1024, 512, repeats=3 if quick else 5),
