@@ -7,7 +7,7 @@ loads or background copies. Slot ids are local to the pool.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -60,6 +60,16 @@ class PoolEntry:
         self.slot, self.refs = slot, refs
 
 
+class _Visibility(dict):
+    """key -> HIT or HIT_PENDING for every resident key; an absent key reads as MISS. A lookup
+    is then one C-level subscript, the hot path of every hit check (2x a Python method)."""
+
+    __slots__ = ()
+
+    def __missing__(self, key) -> Lookup:
+        return MISS
+
+
 @dataclass
 class PoolStats:
     stores: int = 0
@@ -69,6 +79,11 @@ class PoolStats:
 
 
 class SlotPool:
+    """One group's slots. ``lookup(key)`` -> ``Lookup`` (MISS, HIT, HIT_PENDING) is bound in
+    ``__init__`` to the visibility map itself; ``touch`` to the policy's."""
+
+    lookup: Callable[[object], Lookup]
+
     def __init__(self, group_id: int, capacity: int, policy: str | EvictionPolicy = "lru",
                  record_events: bool = False):
         if capacity <= 0:
@@ -77,6 +92,8 @@ class SlotPool:
         self.capacity = capacity
         self.policy = make_policy(policy, capacity) if isinstance(policy, str) else policy
         self._entries: dict[object, PoolEntry] = {}
+        self._visible = _Visibility()
+        self.lookup = self._visible.__getitem__
         self._free: list[int] = []
         self._fresh = 0            # slots never handed out start here (lazy free list)
         self.stats = PoolStats()
@@ -96,14 +113,6 @@ class SlotPool:
 
     def free_count(self) -> int:
         return len(self._free) + self.capacity - self._fresh
-
-    def lookup(self, key) -> Lookup:
-        entry = self._entries.get(key)
-        if entry is None:
-            return MISS
-        if entry.refs == WRITE_PENDING:
-            return HIT_PENDING
-        return HIT
 
     def slot_of(self, key) -> int:
         return self._entries[key].slot
@@ -175,14 +184,16 @@ class SlotPool:
             if victims is None:
                 self.stats.store_refusals += 1
                 return None
+            visible = self._visible
             for key in victims:
                 free.append(entries.pop(key).slot)
+                del visible[key]
             self.stats.evictions += len(victims)
             if self.events is not None:
                 self.events.append(PoolEvent(EventKind.REMOVED, self.group_id, tuple(victims)))
             evicted = victims
         slots = []
-        inserted = self.policy.inserted
+        inserted, visible = self.policy.inserted, self._visible
         for key in new:
             if free:
                 s = free.pop()
@@ -190,6 +201,7 @@ class SlotPool:
                 s = self._fresh
                 self._fresh += 1
             entries[key] = PoolEntry(s)
+            visible[key] = HIT_PENDING
             inserted(key)
             slots.append(s)
         return StorePlan(new, slots, evicted)
@@ -201,6 +213,7 @@ class SlotPool:
             entry = entries.get(keys[0])
             if entry is not None and entry.refs == WRITE_PENDING:
                 entry.refs = 0
+                self._visible[keys[0]] = HIT
                 policy.set_evictable(keys[0], True)
                 self.stats.stores += 1
                 if self.events is not None:
@@ -213,9 +226,11 @@ class SlotPool:
                 continue
             if success:
                 entry.refs = 0
+                self._visible[key] = HIT
                 policy.set_evictable(key, True)
             else:
                 del entries[key]
+                del self._visible[key]
                 self._free.append(entry.slot)
                 policy.removed(key)
             done.append(key)
@@ -241,6 +256,7 @@ class SlotPool:
         idle = [k for k, e in self._entries.items() if e.refs == 0]
         for key in idle:
             self._free.append(self._entries.pop(key).slot)
+            del self._visible[key]
             self.policy.removed(key)
         if idle and self.events is not None:
             self.events.append(PoolEvent(EventKind.REMOVED, self.group_id, tuple(idle)))
