@@ -81,6 +81,29 @@ def test_startup_scan_rebuilds_index_in_mtime_order(tmp_path):
     again.close()
 
 
+def test_batched_reads_fill_each_page_and_refresh_recency_across_a_restart(tmp_path):
+    tier = FilesystemTier(tmp_path, LAYOUT)
+    for i in range(10):
+        for g in (0, 1):
+            tier.write(g, key(i), page(g, i))
+            os.utime(page_path(tier.namespace, g, key(i)), ns=(10**18 + i, 10**18 + i))
+    total = tier.total_bytes()
+    outs = [np.empty(16384, np.uint8) for _ in range(10)]
+    futures = tier.submit_reads([(1, key(i), outs[i]) for i in range(10)])   # shared by 4 threads
+    assert [f.result() for f in futures] == [True] * 10
+    assert all(np.array_equal(outs[i], page(1, i)) for i in range(10))
+    out = np.empty(4096, np.uint8)
+    assert [f.result() for f in tier.submit_reads([(0, key(0), out), (0, key(42), out)])] == [True, False]
+    tier.close()                        # drains the background mtime refresh
+    again = FilesystemTier(tmp_path, LAYOUT, max_bytes=total)
+    assert again.wait_scanned(30)
+    again.write(0, key(99), page(0, 99))
+    # the pages read are recent after the restart; of the rest, group 0's key 1 is the oldest
+    assert not again.contains(0, key(1)) and again.stats["evictions"] == 1
+    assert again.contains(0, key(0)) and all(again.contains(1, key(i)) for i in range(10))
+    again.close()
+
+
 class PausedScan(FilesystemTier):
     """The real tier, with its start-up scan held until the test lets it go."""
 
