@@ -305,6 +305,9 @@ class FilesystemTier(SecondaryTier):
                 self._bytes += size
         return True
 
+    def indexed_pages(self) -> int:
+        return len(self._index)
+
     def total_bytes(self) -> int:
         """Bytes of the indexed pages (while the start-up scan runs: those indexed so far)."""
         return self._bytes

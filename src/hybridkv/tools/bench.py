@@ -229,7 +229,7 @@ def bench_fs_startup(pages: int = 200_000, page_bytes: int = 32 * 1024) -> dict:
         opened = time.perf_counter() - t
         tier.wait_scanned()
         scanned = time.perf_counter() - t
-        indexed = len(tier._index)
+        indexed = tier.indexed_pages()
         tier.close()
         tracemalloc.start()
         tier = FilesystemTier(root, layout)
