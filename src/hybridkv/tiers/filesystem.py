@@ -354,7 +354,8 @@ class FilesystemTier(SecondaryTier):
         results = [self.read(*item) for item in items]
         hits = [(group, key) for (group, key, _), ok in zip(items, results, strict=True) if ok]
         if hits and not self.read_only:
-            self._io.submit(WRITE, self._refresh_mtimes, hits)
+            with contextlib.suppress(RuntimeError):   # closing: recency is not worth a failure
+                self._io.submit(WRITE, self._refresh_mtimes, hits)
         return results
 
     def _refresh_mtimes(self, pages: list[tuple[int, bytes]]) -> None:
