@@ -149,18 +149,25 @@ class ARCPolicy(EvictionPolicy):
             (self._t1 if where == 1 else self._t2).pop(key, None)
 
     def touch(self, keys):
-        lst, t1, t2 = self._list, self._t1, self._t2
-        for key in reversed(keys) if len(keys) > 1 else keys:
+        if len(keys) == 1:                 # hot path: one key, usually already in T2
+            key = keys[0]
+            if self._list.get(key) == 2:
+                try:  # noqa: SIM105 - suppress() would add a context manager to the hot path
+                    self._t2.move_to_end(key)
+                except KeyError:  # pinned keys are not in the evictable order
+                    pass
+                return
+        lst, t1, t2, size = self._list, self._t1, self._t2, self._size
+        for key in reversed(keys):
             where = lst.get(key)
-            if where == 2:
-                if key in t2:              # pinned keys are not in the evictable order
-                    t2.move_to_end(key)
-            elif where == 1:               # seen again: T1 -> T2
+            if where == 1:
                 lst[key] = 2
-                self._size[1] -= 1
-                self._size[2] += 1
+                size[1] -= 1
+                size[2] += 1
                 if t1.pop(key, 0) is None:
                     t2[key] = None
+            elif where == 2 and key in t2:
+                t2.move_to_end(key)
 
     def _forget(self, key) -> None:
         """Move an evicted key to its ghost list."""

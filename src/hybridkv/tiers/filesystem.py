@@ -340,10 +340,10 @@ class FilesystemTier(SecondaryTier):
             with self._lock:
                 self.stats["read_errors"] += 1
             return False
+        ident = _ident(group, key)
         with self._lock:
             self.stats["reads"] += 1
             self.stats["read_bytes"] += out.nbytes
-            ident = _ident(group, key)
             if ident in self._index:
                 self._index.move_to_end(ident)
         return True

@@ -203,11 +203,12 @@ def bench_fs_startup(pages: int = 200_000, page_bytes: int = 32 * 1024) -> dict:
     layout = _page_layout(page_bytes)
     root = Path(tempfile.mkdtemp(prefix="hybridkv-bench-startup-"))
     try:
-        namespace = FilesystemTier(root, layout)
-        namespace.close()
+        empty = FilesystemTier(root, layout)    # creates the namespace with the store's modes
+        empty.close()
+        namespace = str(empty.namespace)
         blob = b"\0" * 64        # the scan reads names and stat, not contents: small files suffice
         for i in range(pages):
-            path = page_file(str(namespace.namespace), 0, i.to_bytes(16, "big"))
+            path = page_file(namespace, 0, i.to_bytes(16, "big"))
             try:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
             except FileNotFoundError:
@@ -218,7 +219,7 @@ def bench_fs_startup(pages: int = 200_000, page_bytes: int = 32 * 1024) -> dict:
 
         def raw_walk() -> float:
             t = time.perf_counter()
-            for sub in os.scandir(namespace.namespace / "g0"):
+            for sub in os.scandir(f"{namespace}/g0"):
                 for entry in os.scandir(sub.path):
                     entry.stat(follow_symlinks=False)
             return time.perf_counter() - t
