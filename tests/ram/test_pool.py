@@ -3,11 +3,18 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from hybridkv.ram.compiled_pool import CompiledSlotPool
 from hybridkv.ram.grouped_pools import GroupedPools
-from hybridkv.ram.policies import ARCPolicy
 from hybridkv.ram.pool import Lookup, SlotPool
 
 POLICIES = ["lru", "arc"]
+IMPLEMENTATIONS = {"python": SlotPool, "compiled": CompiledSlotPool}
+
+
+@pytest.fixture(params=sorted(IMPLEMENTATIONS))
+def new_pool(request):
+    """Every behaviour test runs on both pools: the compiled one and its Python fallback."""
+    return IMPLEMENTATIONS[request.param]
 
 
 def stored(pool, keys):
@@ -18,8 +25,8 @@ def stored(pool, keys):
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_write_pending_is_invisible_then_loadable(policy):
-    pool = SlotPool(0, 4, policy)
+def test_write_pending_is_invisible_then_loadable(new_pool, policy):
+    pool = new_pool(0, 4, policy)
     plan = pool.prepare_store(["a", "b"])
     assert plan.keys == ["a", "b"] and sorted(plan.slots) == [0, 1]
     assert pool.lookup("a") is Lookup.HIT_PENDING
@@ -31,8 +38,8 @@ def test_write_pending_is_invisible_then_loadable(policy):
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_all_pinned_refuses_then_retry_succeeds(policy):
-    pool = SlotPool(0, 2, policy)
+def test_all_pinned_refuses_then_retry_succeeds(new_pool, policy):
+    pool = new_pool(0, 2, policy)
     stored(pool, ["a", "b"])
     pool.prepare_load(["a", "b"])
     assert pool.prepare_store(["c"]) is None
@@ -44,8 +51,8 @@ def test_all_pinned_refuses_then_retry_succeeds(policy):
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_failed_store_frees_its_slots(policy):
-    pool = SlotPool(0, 2, policy)
+def test_failed_store_frees_its_slots(new_pool, policy):
+    pool = new_pool(0, 2, policy)
     plan = pool.prepare_store(["a", "b"])
     pool.complete_store(plan.keys, success=False)
     assert pool.free_count() == 2 and len(pool) == 0
@@ -54,8 +61,8 @@ def test_failed_store_frees_its_slots(policy):
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_eviction_is_all_or_nothing_and_spares_the_calls_keys(policy):
-    pool = SlotPool(0, 3, policy)
+def test_eviction_is_all_or_nothing_and_spares_the_calls_keys(new_pool, policy):
+    pool = new_pool(0, 3, policy)
     stored(pool, ["a", "b", "c"])
     pool.prepare_load(["b"])
     # needs 2 evictions; only "a" and "c" are evictable but "c" belongs to this call
@@ -66,8 +73,8 @@ def test_eviction_is_all_or_nothing_and_spares_the_calls_keys(policy):
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_present_and_inflight_keys_are_untouched(policy):
-    pool = SlotPool(0, 4, policy)
+def test_present_and_inflight_keys_are_untouched(new_pool, policy):
+    pool = new_pool(0, 4, policy)
     stored(pool, ["a"])
     pending = pool.prepare_store(["b"])
     again = pool.prepare_store(["a", "b", "c", "c"])
@@ -75,46 +82,50 @@ def test_present_and_inflight_keys_are_untouched(policy):
     assert pool.slot_of("b") == pending.slots[0]
 
 
-def test_lru_touch_keeps_prefix_more_recent_than_tail():
-    pool = SlotPool(0, 4, "lru")
+def test_lru_touch_keeps_prefix_more_recent_than_tail(new_pool):
+    pool = new_pool(0, 4, "lru")
     stored(pool, ["p0", "p1", "p2", "p3"])
     pool.touch(["p0", "p1", "p2", "p3"])
     assert pool.prepare_store(["n1"]).evicted == ["p3"]
     assert pool.prepare_store(["n2"]).evicted == ["p2"]
 
 
-def test_lru_pinned_keys_leave_the_order():
-    pool = SlotPool(0, 2, "lru")
+def test_lru_pinned_keys_leave_the_order(new_pool):
+    pool = new_pool(0, 2, "lru")
     stored(pool, ["a", "b"])
     pool.prepare_load(["a"])
-    assert pool.policy.evictable_count() == 1
+    assert pool.evictable_count() == 1
     pool.complete_load(["a"])
     # "a" came back as most recent, so "b" is the victim
     assert pool.prepare_store(["c"]).evicted == ["b"]
 
 
-def test_arc_falls_back_to_the_other_list():
-    policy = ARCPolicy(4)
-    pool = SlotPool(0, 4, policy)
+def arc_state(pool):
+    """Where a pool keeps ARC's target: its policy object (Python) or itself (compiled)."""
+    return pool.policy if isinstance(pool, SlotPool) else pool
+
+
+def test_arc_falls_back_to_the_other_list(new_pool):
+    pool = new_pool(0, 4, "arc")
     stored(pool, ["a", "b"])
     pool.touch(["a", "b"])                      # a, b -> T2
     stored(pool, ["c", "d"])                    # c, d -> T1
-    policy.target_t1 = 4.0                      # prefer evicting from T2 ...
+    arc_state(pool).target_t1 = 4.0             # prefer evicting from T2 ...
     pool.prepare_load(["a", "b"])               # ... where nothing is evictable
     plan = pool.prepare_store(["e"])
     assert plan is not None and plan.evicted == ["c"]
 
 
-def test_arc_frequency_protects_reused_keys_and_ghosts_adapt():
-    pool = SlotPool(0, 3, "arc")
+def test_arc_frequency_protects_reused_keys_and_ghosts_adapt(new_pool):
+    pool = new_pool(0, 3, "arc")
     stored(pool, ["hot"])
     pool.touch(["hot"])
     for i in range(6):
         stored(pool, [f"scan{i}"])
     assert pool.lookup("hot") is Lookup.HIT
-    before = pool.policy.target_t1
+    before = arc_state(pool).target_t1
     stored(pool, ["scan3"])                     # a ghost from B1 comes back
-    assert pool.policy.target_t1 > before
+    assert arc_state(pool).target_t1 > before
 
 
 def test_grouped_store_is_atomic_across_groups():
@@ -149,8 +160,8 @@ def test_request_finish_releases_leaked_pins():
     assert mgr.pool(0).refs_of("a") == 0
 
 
-def test_reset_keeps_pinned_and_pending():
-    pool = SlotPool(0, 4, "lru")
+def test_reset_keeps_pinned_and_pending(new_pool):
+    pool = new_pool(0, 4, "lru")
     stored(pool, ["a", "b"])
     pool.prepare_load(["a"])
     pool.prepare_store(["c"])
@@ -169,10 +180,11 @@ class PoolModel(RuleBasedStateMachine):
         self.pending: set = set()
         self.completed: set = set()
 
-    @rule(policy=st.sampled_from(POLICIES), capacity=st.integers(1, 6))
+    @rule(impl=st.sampled_from(sorted(IMPLEMENTATIONS)), policy=st.sampled_from(POLICIES),
+          capacity=st.integers(1, 6))
     @precondition(lambda self: self.pool is None)
-    def create(self, policy, capacity):
-        self.pool = SlotPool(0, capacity, policy)
+    def create(self, impl, policy, capacity):
+        self.pool = IMPLEMENTATIONS[impl](0, capacity, policy)
 
     @rule(keys=st.lists(st.integers(0, 12), min_size=1, max_size=4))
     @precondition(lambda self: self.pool is not None)
@@ -231,7 +243,7 @@ class PoolModel(RuleBasedStateMachine):
             if pool.lookup(k) is Lookup.HIT:
                 assert k in self.completed
         evictable = sum(1 for k in self.completed if k not in self.pinned)
-        assert pool.policy.evictable_count() == evictable
+        assert pool.evictable_count() == evictable
 
 
 TestPoolModel = PoolModel.TestCase

@@ -11,7 +11,7 @@ import logging
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
-from hybridkv.ram.pool import Lookup, PoolEvent, SlotPool, StorePlan
+from hybridkv.ram.pool import Lookup, PoolEvent, SlotPool, StorePlan, make_pool
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +22,7 @@ class GroupedPools:
     def __init__(self, slots_per_group: Mapping[int, int], policy: str = "lru",
                  record_events: bool = False):
         self.pools: dict[int, SlotPool] = {
-            gid: SlotPool(gid, n, policy, record_events) for gid, n in slots_per_group.items()
+            gid: make_pool(gid, n, policy, record_events) for gid, n in slots_per_group.items()
         }
         self._request_pins: dict[str, Counter] = {}
 
@@ -72,7 +72,7 @@ class GroupedPools:
         news = {gid: self.pools[gid].new_keys(ks) for gid, ks in keys.items()}
         for gid, ks in keys.items():
             if not self.pools[gid].can_place(ks, news[gid]):
-                self.pools[gid].stats.store_refusals += 1
+                self.pools[gid].store_refusals += 1
                 return None
         plans = {gid: self.pools[gid].prepare_store(ks, news[gid]) for gid, ks in keys.items()}
         assert all(plan is not None for plan in plans.values()), "can_place promised room"

@@ -7,6 +7,7 @@ loads or background copies. Slot ids are local to the pool.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -70,17 +71,33 @@ class _Visibility(dict):
         return MISS
 
 
-@dataclass
-class PoolStats:
-    stores: int = 0
-    failed_stores: int = 0
-    evictions: int = 0
-    store_refusals: int = 0
+class PoolReports:
+    """What both pools (this module's and compiled_pool's) report the same way. Each has
+    ``events`` (None or a list), the counters below, ``capacity``, ``free_count()`` and
+    ``evictable_count()``."""
+
+    __slots__ = ()
+
+    def take_events(self) -> list[PoolEvent]:
+        """Drain the events recorded since the last call (empty unless ``record_events``)."""
+        if not self.events:
+            return []
+        events, self.events = self.events, []
+        return events
+
+    def snapshot_stats(self) -> dict:
+        return {
+            "slots": self.capacity, "used": len(self), "free": self.free_count(),
+            "evictable": self.evictable_count(), "stores": self.stores,
+            "failed_stores": self.failed_stores, "evictions": self.evictions,
+            "store_refusals": self.store_refusals,
+        }
 
 
-class SlotPool:
-    """One group's slots. ``lookup(key)`` -> ``Lookup`` (MISS, HIT, HIT_PENDING) is bound in
-    ``__init__`` to the visibility map itself; ``touch`` to the policy's."""
+class SlotPool(PoolReports):
+    """One group's slots, in Python: the fallback of the compiled pool and the pool of any
+    policy registered in Python. ``lookup(key)`` -> ``Lookup`` (MISS, HIT, HIT_PENDING) is
+    bound in ``__init__`` to the visibility map itself; ``touch`` to the policy's."""
 
     lookup: Callable[[object], Lookup]
 
@@ -96,7 +113,7 @@ class SlotPool:
         self.lookup = self._visible.__getitem__
         self._free: list[int] = []
         self._fresh = 0            # slots never handed out start here (lazy free list)
-        self.stats = PoolStats()
+        self.stores = self.failed_stores = self.evictions = self.store_refusals = 0
         # Opt-in: a server that never drains them would grow without bound.
         self.events: list[PoolEvent] | None = [] if record_events else None
         self.touch = self.policy.touch   # recency update, straight to the policy (hot path)
@@ -113,6 +130,9 @@ class SlotPool:
 
     def free_count(self) -> int:
         return len(self._free) + self.capacity - self._fresh
+
+    def evictable_count(self) -> int:
+        return self.policy.evictable_count()
 
     def slot_of(self, key) -> int:
         return self._entries[key].slot
@@ -182,13 +202,13 @@ class SlotPool:
         if need > 0:
             victims = self.policy.evict(need, keys if len(keys) < 8 else set(keys))
             if victims is None:
-                self.stats.store_refusals += 1
+                self.store_refusals += 1
                 return None
             visible = self._visible
             for key in victims:
                 free.append(entries.pop(key).slot)
                 del visible[key]
-            self.stats.evictions += len(victims)
+            self.evictions += len(victims)
             if self.events is not None:
                 self.events.append(PoolEvent(EventKind.REMOVED, self.group_id, tuple(victims)))
             evicted = victims
@@ -215,7 +235,7 @@ class SlotPool:
                 entry.refs = 0
                 self._visible[keys[0]] = HIT
                 policy.set_evictable(keys[0], True)
-                self.stats.stores += 1
+                self.stores += 1
                 if self.events is not None:
                     self.events.append(PoolEvent(EventKind.STORED, self.group_id, tuple(keys)))
             return
@@ -237,20 +257,13 @@ class SlotPool:
         if not done:
             return
         if success:
-            self.stats.stores += len(done)
+            self.stores += len(done)
             if self.events is not None:
                 self.events.append(PoolEvent(EventKind.STORED, self.group_id, tuple(done)))
         else:
-            self.stats.failed_stores += len(done)
+            self.failed_stores += len(done)
 
     # -- housekeeping --------------------------------------------------------------------
-    def take_events(self) -> list[PoolEvent]:
-        """Drain the events recorded since the last call (empty unless ``record_events``)."""
-        if not self.events:
-            return []
-        events, self.events = self.events, []
-        return events
-
     def reset(self) -> None:
         """Forget every idle key; pinned and write-pending keys stay (their users hold slots)."""
         idle = [k for k, e in self._entries.items() if e.refs == 0]
@@ -261,11 +274,16 @@ class SlotPool:
         if idle and self.events is not None:
             self.events.append(PoolEvent(EventKind.REMOVED, self.group_id, tuple(idle)))
 
-    def snapshot_stats(self) -> dict:
-        s = self.stats
-        return {
-            "slots": self.capacity, "used": len(self._entries), "free": self.free_count(),
-            "evictable": self.policy.evictable_count(), "stores": s.stores,
-            "failed_stores": s.failed_stores, "evictions": s.evictions,
-            "store_refusals": s.store_refusals,
-        }
+
+def make_pool(group_id: int, capacity: int, policy: str | EvictionPolicy = "lru",
+              record_events: bool = False) -> SlotPool:
+    """The compiled pool (ram/_slotpool.c) for a built-in policy when the extension was built
+    and ``HYBRIDKV_PURE_PYTHON_POOL`` is not set; else ``SlotPool``. Both behave the same."""
+    if isinstance(policy, str) and policy in ("lru", "arc") and not os.environ.get("HYBRIDKV_PURE_PYTHON_POOL"):
+        try:
+            from hybridkv.ram.compiled_pool import CompiledSlotPool
+        except ImportError:   # built without a C compiler: the Python pool serves
+            pass
+        else:
+            return CompiledSlotPool(group_id, capacity, policy, record_events)
+    return SlotPool(group_id, capacity, policy, record_events)

@@ -492,6 +492,23 @@ def bench_simulator(quick: bool) -> list[dict]:
     return rows
 
 
+MANAGER_SLOTS = {False: (10_000, 200_000, 1_000_000), True: (10_000, 100_000)}
+
+
+def bench_manager_size(slots: int, repeats: int, progress: Callable[[str], None]) -> dict:
+    """hybridkv's pool, its pure-Python fallback and (when at hand) vLLM's manager at one size."""
+    out: dict = {"slots": slots}
+    for policy in ("lru", "arc"):
+        progress(f"manager: {policy} on {slots:,} slots, compiled and pure Python")
+        out[policy] = bench_manager.measure(slots, policy, repeats)
+        out.setdefault("python", {})[policy] = bench_manager.measure(slots, policy, repeats, backend="python")
+        progress(f"manager: vLLM's CPUOffloadingManager, {policy} on {slots:,} slots (if vLLM is at hand)")
+        peer = bench_manager.measure_vllm(slots, policy, repeats)
+        if peer is not None:
+            out.setdefault("vllm", {})[policy] = peer
+    return out
+
+
 def run_bench(quick: bool = False, remote: str | None = None, manager_slots: int | None = None,
               progress: Callable[[str], None] = lambda _m: None) -> dict:
     started = time.perf_counter()
@@ -512,15 +529,8 @@ def run_bench(quick: bool = False, remote: str | None = None, manager_slots: int
     out["hashing"] = bench_hashing()
     progress("hit lookup with a filesystem tier attached vs RAM only")
     out["hit_lookup"] = bench_hit_lookup(repeats=10 if quick else 20)
-    slots = manager_slots or (100_000 if quick else 1_000_000)
-    out["manager"] = {"slots": slots}
-    for policy in ("lru", "arc"):
-        progress(f"manager: {policy} on {slots} slots")
-        out["manager"][policy] = bench_manager.measure(slots, policy, repeats=3 if quick else 5)
-        progress(f"manager: vLLM's CPUOffloadingManager, {policy} on {slots} slots (if vLLM is at hand)")
-        peer = bench_manager.measure_vllm(slots, policy, repeats=3 if quick else 5)
-        if peer is not None:
-            out["manager"].setdefault("vllm", {})[policy] = peer
+    out["manager"] = [bench_manager_size(n, 3 if quick else 5, progress)
+                      for n in ([manager_slots] if manager_slots else MANAGER_SLOTS[quick])]
     progress("restore vs recompute")
     out["restore"] = bench_restore([1024, 4096] if quick else [1024, 4096, 16384], repeats=2 if quick else 3)
     progress("workload simulator")

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from hybridkv.ram.grouped_pools import GroupedPools
+from hybridkv.ram.pool import SlotPool, make_pool
 
 CHUNK = 1024
 
@@ -67,8 +67,10 @@ class _VLLMPool:
 
 
 class _HybridKVPool:
-    def __init__(self, n: int, policy: str):
-        self._pool = GroupedPools({0: n}, policy).pool(0)
+    """The pool the cache uses (compiled when built), or with ``pure_python`` its fallback."""
+
+    def __init__(self, n: int, policy: str, pure_python: bool = False):
+        self._pool = SlotPool(0, n, policy) if pure_python else make_pool(0, n, policy)
         self.lookup, self.touch = self._pool.lookup, self._pool.touch
         self.prepare_store, self.complete_store = self._pool.prepare_store, self._pool.complete_store
         self.resident_keys = self._pool.resident_keys
@@ -80,8 +82,13 @@ class _HybridKVPool:
         self.complete_store(self.prepare_store(keys).keys)
 
 
+BACKENDS = ("hybridkv", "python", "vllm")
+
+
 def _fresh_pool(n: int, policy: str, backend: str):
-    pool = (_VLLMPool if backend == "vllm" else _HybridKVPool)(n, policy)
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown manager backend {backend!r}; use one of {BACKENDS}")
+    pool = _VLLMPool(n, policy) if backend == "vllm" else _HybridKVPool(n, policy, backend == "python")
     for start in range(0, 2 * n, CHUNK):
         pool.fill([make_key(i) for i in range(start, min(2 * n, start + CHUNK))])
     return pool
@@ -98,7 +105,8 @@ def _timed_runs(ops: list, body, pool) -> float:
 
 def measure(n: int = 1_000_000, policy: str = "lru", repeats: int = 5, seed: int = 0,
             backend: str = "hybridkv") -> dict:
-    """Median ops/s over ``repeats`` for lookup, store cycle and touch (GC on)."""
+    """Median ops/s over ``repeats`` for lookup, store cycle and touch (GC on). ``backend``:
+    hybridkv's pool as the cache builds it, its pure-Python fallback, or vLLM's manager."""
     pool = _fresh_pool(n, policy, backend)
     rng = random.Random(seed)
     next_key = 2 * n

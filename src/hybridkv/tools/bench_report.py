@@ -20,7 +20,8 @@ def _table(add, title: str, header: str, align: str) -> None:
 
 
 def manager_table(mg: dict) -> list[str]:
-    """hybridkv's pool and, where it ran, vLLM's manager on the same trace, with ratios."""
+    """hybridkv's pool (compiled, and its pure-Python fallback) and, where it ran, vLLM's
+    manager on the same trace at one pool size, with ratios."""
     lines: list[str] = []
     add = lines.append
     add(f"### Manager operations per second ({mg['slots']:,} slots, one core, GC on, median)\n")
@@ -28,13 +29,19 @@ def manager_table(mg: dict) -> list[str]:
     add("|---|---:|---:|---:|")
     fields = ("lookup_ops_per_s", "store_cycles_per_s", "touch_ops_per_s")
     peers = mg.get("vllm", {})
+
+    def row(name, x):
+        add(f"| {name} | " + " | ".join(f"{x[f]:,.0f}" for f in fields) + " |")
+
     for p in ("lru", "arc"):
         x, peer = mg[p], peers.get(p) or {}
-        add(f"| hybridkv {p} | " + " | ".join(f"{x[f]:,.0f}" for f in fields) + " |")
+        row(f"hybridkv {p}", x)
+        if p in mg.get("python", {}):
+            row(f"hybridkv {p}, pure-Python fallback", mg["python"][p])
         if "error" in peer:
             add(f"| vLLM {p} | not measured: {peer['error']} | | |")
         elif peer:
-            add(f"| vLLM CPUOffloadingManager {p}, same run | " + " | ".join(f"{peer[f]:,.0f}" for f in fields) + " |")
+            row(f"vLLM CPUOffloadingManager {p}, same run", peer)
             add(f"| ratio hybridkv / vLLM {p} | " + " | ".join(f"{x[f] / peer[f]:.2f}x" for f in fields) + " |")
     if not peers:
         add("| vLLM | not measured in this run (no vLLM interpreter; see docs/vllm.md) | | |")
@@ -112,7 +119,8 @@ def tables(res: dict) -> str:
     h = res["hashing"]
     add(f"### Block keys\n\nHashing a {h['tokens']:,}-token prompt in {h['block_tokens']}-token blocks: "
         f"**{_r(h['ms'])} ms** (median of 20; {_r(h['spread_ms'][0])}–{_r(h['spread_ms'][1])} ms).\n")
-    lines += manager_table(res["manager"])
+    for size in res["manager"]:
+        lines += manager_table(size)
     add("### Restore vs recompute (tiny-hybrid, fp32, 2 threads, block 64)\n")
     add("| prompt tokens | restored | cold TTFT s | RAM TTFT s | disk TTFT s | speed-up RAM / disk | "
         "restored MB | restore GB/s RAM / disk | identical |")

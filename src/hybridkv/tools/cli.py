@@ -339,7 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="tier, manager, restore and workload benchmarks")
     p.add_argument("--quick", action="store_true", help="smaller sizes; under two minutes")
     p.add_argument("--remote", help="also measure a Redis/Valkey tier at this URL")
-    p.add_argument("--manager-slots", type=_positive_int, help="pool size for the manager trace (default 1M, quick 100K)")
+    p.add_argument("--manager-slots", type=_positive_int, help="one pool size for the manager trace (default 10K, 200K and 1M; quick 10K and 100K)")
     p.add_argument("--plot", help="write PNG charts into this directory")
     p.add_argument("--json", action="store_true", help="one JSON object with a section per part")
     p.set_defaults(func=_cmd_bench)

@@ -1,0 +1,947 @@
+/* The slot pool's hot path in C: one open-addressing table over an arena of entries, each
+ * entry carrying its slot, reference count and the links of the LRU/ARC order it sits in.
+ *
+ * Why: the Python pool keeps a key in four to six dicts (entries, visibility, the policy's
+ * order and ghost lists), so every store cycle on a large pool pays a dozen dict probes,
+ * each a cache miss, plus interpreter overhead. Here a key is one table bucket and one
+ * 40-byte entry. Semantics are exactly those of ram/pool.py + ram/policies.py (LRU and ARC,
+ * same victims, same slot order; tests/ram/test_compiled_pool.py runs both side by side).
+ * compiled_pool.py wraps this type; pool.make_pool falls back to Python without it.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <stdint.h>
+
+enum { POLICY_LRU = 0, POLICY_ARC = 1 };
+enum { T1 = 0, T2 = 1, B1 = 2, B2 = 3, NO_LIST = -1 };
+/* where an entry is: free, resident in T1 (all LRU keys) or T2, or a ghost in B1 or B2 */
+enum { FREE = 0, IN_T1 = 1, IN_T2 = 2, GHOST_B1 = 3, GHOST_B2 = 4 };
+#define WRITE_PENDING (-1)
+#define EMPTY (-1)
+
+typedef struct {
+    PyObject *key;          /* owned; NULL when free */
+    Py_hash_t hash;
+    int32_t slot;
+    int32_t refs;           /* WRITE_PENDING, 0 = evictable, > 0 = pins */
+    int32_t prev, next;     /* links in `list`; `next` also chains free entries */
+    int8_t list;            /* T1..B2 or NO_LIST */
+    int8_t where;
+    uint32_t mark;          /* == pool->mark: one of the current call's keys */
+} Entry;
+
+typedef struct {
+    int32_t id;             /* entry index or EMPTY */
+    uint32_t h;             /* folded hash: filters probes without touching the entry */
+} Bucket;
+
+typedef struct {
+    PyObject_HEAD
+    int policy;
+    Py_ssize_t capacity;
+    PyObject *group_id;
+    Entry *e;
+    int32_t n_entries, free_entry;
+    Bucket *table;
+    int bits;
+    Py_ssize_t used;        /* entries in the table (resident + ghosts) */
+    int32_t *free_slots;
+    Py_ssize_t n_free, fresh;
+    int32_t head[4], tail[4];
+    Py_ssize_t len[4];
+    Py_ssize_t resident, size1, size2;  /* size1/size2: ARC's resident keys per list */
+    double target_t1;
+    uint32_t mark;
+    PyObject *events;       /* None or a list of PoolEvent */
+    long long stores, failed_stores, evictions, store_refusals;
+} Pool;
+
+/* Set once by bind(): the Python values this module hands out. */
+static PyObject *MISS, *HIT, *HIT_PENDING, *PLAN, *EVENT, *STORED, *REMOVED;
+
+/* ---- the table ------------------------------------------------------------------------ */
+
+static inline uint32_t fold(Py_hash_t hash) {
+    uint64_t h = (uint64_t)hash;
+    return (uint32_t)(h ^ (h >> 32));
+}
+
+static inline size_t home(const Pool *p, uint32_t h) {
+    return (size_t)((uint32_t)(h * 2654435769u) >> (32 - p->bits));
+}
+
+/* Bucket index holding key, or -1 (absent), or -2 (comparison raised). */
+static Py_ssize_t find(Pool *p, PyObject *key, Py_hash_t hash) {
+    uint32_t h = fold(hash);
+    size_t mask = ((size_t)1 << p->bits) - 1, i = home(p, h);
+    for (;;) {
+        Bucket *b = &p->table[i];
+        if (b->id == EMPTY)
+            return -1;
+        if (b->h == h) {
+            Entry *en = &p->e[b->id];
+            if (en->key == key)
+                return (Py_ssize_t)i;
+            if (en->hash == hash) {
+                int eq = PyObject_RichCompareBool(en->key, key, Py_EQ);
+                if (eq < 0)
+                    return -2;
+                if (eq)
+                    return (Py_ssize_t)i;
+            }
+        }
+        i = (i + 1) & mask;
+    }
+}
+
+/* Entry id of a key (resident or ghost), -1 when absent, -2 on error. */
+static int32_t entry_of(Pool *p, PyObject *key) {
+    Py_hash_t hash = PyObject_Hash(key);
+    if (hash == -1)
+        return -2;
+    Py_ssize_t i = find(p, key, hash);
+    return i < 0 ? (int32_t)i : p->table[i].id;
+}
+
+static inline int resident(const Entry *en) { return en->where == IN_T1 || en->where == IN_T2; }
+
+/* Resident entry id of key, -1 when not resident, -2 on error. */
+static int32_t resident_of(Pool *p, PyObject *key) {
+    int32_t id = entry_of(p, key);
+    return (id >= 0 && !resident(&p->e[id])) ? -1 : id;
+}
+
+static void put(Pool *p, int32_t id) {
+    uint32_t h = fold(p->e[id].hash);
+    size_t mask = ((size_t)1 << p->bits) - 1, i = home(p, h);
+    while (p->table[i].id != EMPTY)
+        i = (i + 1) & mask;
+    p->table[i].id = id;
+    p->table[i].h = h;
+    p->used++;
+}
+
+/* Linear-probing delete by backward shift: no tombstones, probes stay short. */
+static void take_out(Pool *p, PyObject *key, Py_hash_t hash) {
+    Py_ssize_t found = find(p, key, hash);  /* identity hit first: cannot raise */
+    size_t mask = ((size_t)1 << p->bits) - 1, i = (size_t)found, j = i;
+    for (;;) {
+        j = (j + 1) & mask;
+        if (p->table[j].id == EMPTY)
+            break;
+        size_t k = home(p, p->table[j].h);
+        if (i <= j ? (k <= i || k > j) : (k <= i && k > j)) {
+            p->table[i] = p->table[j];
+            i = j;
+        }
+    }
+    p->table[i].id = EMPTY;
+    p->used--;
+}
+
+static int resize_table(Pool *p, int bits) {
+    Bucket *old = p->table;
+    size_t old_n = old ? (size_t)1 << p->bits : 0;
+    Bucket *t = PyMem_Malloc(sizeof(Bucket) << bits);
+    if (t == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (size_t i = 0; i < ((size_t)1 << bits); i++)
+        t[i].id = EMPTY;
+    p->table = t;
+    p->bits = bits;
+    p->used = 0;
+    for (size_t i = 0; i < old_n; i++)
+        if (old[i].id != EMPTY)
+            put(p, old[i].id);
+    PyMem_Free(old);
+    return 0;
+}
+
+/* Room for `more` new entries: arena and table grow (doubling) before anything changes. */
+static int reserve(Pool *p, Py_ssize_t more) {
+    Py_ssize_t need = p->used + more;
+    int bits = p->bits;
+    while (((Py_ssize_t)1 << bits) < 2 * need)
+        bits++;
+    if (bits > 32) {
+        PyErr_SetString(PyExc_OverflowError, "slot pool: too many entries");
+        return -1;
+    }
+    if (bits != p->bits && resize_table(p, bits) < 0)
+        return -1;
+    Py_ssize_t free_n = 0;
+    for (int32_t f = p->free_entry; f != EMPTY && free_n < more; f = p->e[f].next)
+        free_n++;
+    if (free_n >= more)
+        return 0;
+    Py_ssize_t n = p->n_entries ? p->n_entries : 16;
+    while (n < p->n_entries + (more - free_n))
+        n *= 2;
+    if (n > INT32_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "slot pool: too many entries");
+        return -1;
+    }
+    Entry *e = PyMem_Realloc(p->e, sizeof(Entry) * (size_t)n);
+    if (e == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    p->e = e;
+    for (int32_t i = (int32_t)n - 1; i >= p->n_entries; i--) {
+        e[i].key = NULL;
+        e[i].where = FREE;
+        e[i].mark = 0;
+        e[i].next = p->free_entry;
+        p->free_entry = i;
+    }
+    p->n_entries = (int32_t)n;
+    return 0;
+}
+
+/* A new entry for key (space reserved beforehand); not in any list. */
+static int32_t add_entry(Pool *p, PyObject *key, Py_hash_t hash) {
+    int32_t id = p->free_entry;
+    Entry *en = &p->e[id];
+    p->free_entry = en->next;
+    Py_INCREF(key);
+    en->key = key;
+    en->hash = hash;
+    en->list = NO_LIST;
+    en->prev = en->next = EMPTY;
+    put(p, id);
+    return id;
+}
+
+static void drop_entry(Pool *p, int32_t id) {
+    Entry *en = &p->e[id];
+    take_out(p, en->key, en->hash);
+    Py_CLEAR(en->key);
+    en->where = FREE;
+    en->next = p->free_entry;
+    p->free_entry = id;
+}
+
+/* ---- intrusive lists ------------------------------------------------------------------ */
+
+static void push_back(Pool *p, int l, int32_t id) {
+    Entry *en = &p->e[id];
+    en->list = (int8_t)l;
+    en->next = EMPTY;
+    en->prev = p->tail[l];
+    if (p->tail[l] != EMPTY)
+        p->e[p->tail[l]].next = id;
+    else
+        p->head[l] = id;
+    p->tail[l] = id;
+    p->len[l]++;
+}
+
+static void unlink_entry(Pool *p, int32_t id) {
+    Entry *en = &p->e[id];
+    int l = en->list;
+    if (l == NO_LIST)
+        return;
+    if (en->prev != EMPTY)
+        p->e[en->prev].next = en->next;
+    else
+        p->head[l] = en->next;
+    if (en->next != EMPTY)
+        p->e[en->next].prev = en->prev;
+    else
+        p->tail[l] = en->prev;
+    en->list = NO_LIST;
+    p->len[l]--;
+}
+
+static inline void move_to_back(Pool *p, int32_t id) {
+    int l = p->e[id].list;
+    if (p->tail[l] != id) {
+        unlink_entry(p, id);
+        push_back(p, l, id);
+    }
+}
+
+/* ---- policy: what ram/policies.py does, on entries ------------------------------------ */
+
+static void set_evictable(Pool *p, int32_t id) {
+    push_back(p, p->e[id].where == IN_T2 ? T2 : T1, id);
+}
+
+static Py_ssize_t evictable_count(const Pool *p) { return p->len[T1] + p->len[T2]; }
+
+/* Forget a resident key for good (failed store, reset): slot back to the free list. */
+static void remove_resident(Pool *p, int32_t id) {
+    Entry *en = &p->e[id];
+    unlink_entry(p, id);
+    if (en->where == IN_T1)
+        p->size1--;
+    else
+        p->size2--;
+    p->free_slots[p->n_free++] = en->slot;
+    p->resident--;
+    drop_entry(p, id);
+}
+
+/* An evicted key: gone under LRU, a ghost under ARC (its list capped at capacity). */
+static void evict_entry(Pool *p, int32_t id) {
+    Entry *en = &p->e[id];
+    p->free_slots[p->n_free++] = en->slot;
+    if (p->policy == POLICY_LRU) {
+        unlink_entry(p, id);
+        p->size1--;
+        p->resident--;
+        drop_entry(p, id);
+        return;
+    }
+    int ghosts = en->where == IN_T1 ? B1 : B2;
+    unlink_entry(p, id);
+    if (en->where == IN_T1)
+        p->size1--;
+    else
+        p->size2--;
+    p->resident--;
+    en->where = ghosts == B1 ? GHOST_B1 : GHOST_B2;
+    en->slot = -1;
+    push_back(p, ghosts, id);
+    if (p->len[ghosts] > p->capacity) {
+        int32_t oldest = p->head[ghosts];
+        unlink_entry(p, oldest);
+        drop_entry(p, oldest);
+    }
+}
+
+/* Mark the call's keys (they are never victims); returns -1 on error. */
+static int mark_keys(Pool *p, PyObject *fast) {
+    if (++p->mark == 0) {
+        for (int32_t i = 0; i < p->n_entries; i++)
+            p->e[i].mark = 0;
+        p->mark = 1;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t id = entry_of(p, items[i]);
+        if (id == -2)
+            return -1;
+        if (id >= 0)
+            p->e[id].mark = p->mark;
+    }
+    return 0;
+}
+
+/* First unmarked evictable entry at or after *cursor in its list, advancing the cursor. */
+static int32_t take_from(Pool *p, int32_t *cursor) {
+    while (*cursor != EMPTY) {
+        int32_t id = *cursor;
+        *cursor = p->e[id].next;
+        if (p->e[id].mark != p->mark)
+            return id;
+    }
+    return EMPTY;
+}
+
+/* Choose n victims not among the marked keys; all or nothing. Fills ids; 0 = none. */
+static int choose_victims(Pool *p, Py_ssize_t n, int32_t *ids) {
+    if (evictable_count(p) < n)
+        return 0;
+    int32_t c1 = p->head[T1], c2 = p->head[T2];
+    Py_ssize_t t1_size = p->size1;
+    for (Py_ssize_t got = 0; got < n; got++) {
+        int prefer_t1 = p->policy == POLICY_LRU || (double)t1_size >= (p->target_t1 > 1.0 ? p->target_t1 : 1.0);
+        int32_t id = take_from(p, prefer_t1 ? &c1 : &c2);
+        if (id == EMPTY)
+            id = take_from(p, prefer_t1 ? &c2 : &c1);
+        if (id == EMPTY)
+            return 0;
+        if (p->e[id].where == IN_T1)
+            t1_size--;
+        ids[got] = id;
+    }
+    return 1;
+}
+
+/* A key being stored: new, or an ARC ghost coming back (which adapts the T1 target). */
+static int32_t insert_key(Pool *p, PyObject *key, Py_hash_t hash, int32_t slot) {
+    int32_t id = EMPTY;
+    int8_t where = IN_T1;
+    if (p->policy == POLICY_ARC) {
+        Py_ssize_t b = find(p, key, hash);
+        if (b >= 0) {
+            id = p->table[b].id;
+            Py_ssize_t n1 = p->len[B1], n2 = p->len[B2];
+            if (p->e[id].where == GHOST_B1) {
+                double step = (double)n2 / (double)n1;
+                p->target_t1 += step > 1.0 ? step : 1.0;
+                if (p->target_t1 > (double)p->capacity)
+                    p->target_t1 = (double)p->capacity;
+            } else {
+                double step = (double)n1 / (double)n2;
+                p->target_t1 -= step > 1.0 ? step : 1.0;
+                if (p->target_t1 < 0.0)
+                    p->target_t1 = 0.0;
+            }
+            unlink_entry(p, id);
+            where = IN_T2;
+            Py_INCREF(key);
+            Py_SETREF(p->e[id].key, key);
+        }
+    }
+    if (id == EMPTY)
+        id = add_entry(p, key, hash);
+    Entry *en = &p->e[id];
+    en->where = where;
+    en->slot = slot;
+    en->refs = WRITE_PENDING;
+    if (where == IN_T1)
+        p->size1++;
+    else
+        p->size2++;
+    p->resident++;
+    return id;
+}
+
+/* ---- helpers -------------------------------------------------------------------------- */
+
+static int record(Pool *p, PyObject *kind, PyObject *keys_list) {
+    if (p->events == Py_None || p->events == NULL)
+        return 0;
+    PyObject *tuple = PyList_AsTuple(keys_list);
+    if (tuple == NULL)
+        return -1;
+    PyObject *ev = PyObject_CallFunctionObjArgs(EVENT, kind, p->group_id, tuple, NULL);
+    Py_DECREF(tuple);
+    if (ev == NULL)
+        return -1;
+    int rc = PyList_Append(p->events, ev);
+    Py_DECREF(ev);
+    return rc;
+}
+
+static PyObject *fast(PyObject *keys) {
+    return PySequence_Fast(keys, "slot pool: keys must be a sequence");
+}
+
+/* Parses (keys[, second]) with the second also accepted by keyword `name`. */
+static int two_args(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+                    const char *name, PyObject **first, PyObject **second) {
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    if (nargs < 1 || nargs + nkw > 2) {
+        PyErr_Format(PyExc_TypeError, "expected (keys, %s=...)", name);
+        return -1;
+    }
+    *first = args[0];
+    if (nargs == 2)
+        *second = args[1];
+    else if (nkw == 1) {
+        if (!PyUnicode_Check(PyTuple_GET_ITEM(kwnames, 0)) ||
+            PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, 0), name) != 0) {
+            PyErr_Format(PyExc_TypeError, "unexpected keyword; expected %s", name);
+            return -1;
+        }
+        *second = args[1];
+    }
+    return 0;
+}
+
+/* ---- methods -------------------------------------------------------------------------- */
+
+static PyObject *Pool_lookup(Pool *p, PyObject *key) {
+    int32_t id = resident_of(p, key);
+    if (id == -2)
+        return NULL;
+    PyObject *r = id < 0 ? MISS : (p->e[id].refs == WRITE_PENDING ? HIT_PENDING : HIT);
+    return Py_NewRef(r);
+}
+
+static PyObject *Pool_touch(Pool *p, PyObject *keys) {
+    PyObject *f = fast(keys);
+    if (f == NULL)
+        return NULL;
+    PyObject **items = PySequence_Fast_ITEMS(f);
+    for (Py_ssize_t i = PySequence_Fast_GET_SIZE(f) - 1; i >= 0; i--) {
+        int32_t id = resident_of(p, items[i]);
+        if (id == -2) {
+            Py_DECREF(f);
+            return NULL;
+        }
+        if (id < 0)
+            continue;
+        Entry *en = &p->e[id];
+        if (en->where == IN_T1 && p->policy == POLICY_ARC) {   /* seen again: T1 -> T2 */
+            en->where = IN_T2;
+            p->size1--;
+            p->size2++;
+            if (en->list == T1) {
+                unlink_entry(p, id);
+                push_back(p, T2, id);
+            }
+        } else if (en->list != NO_LIST) {
+            move_to_back(p, id);
+        }
+    }
+    Py_DECREF(f);
+    Py_RETURN_NONE;
+}
+
+/* Keys not resident or in flight, first occurrence only (list). */
+static PyObject *new_keys_of(Pool *p, PyObject *f) {
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(f);
+    PyObject **items = PySequence_Fast_ITEMS(f);
+    PyObject *out = PyList_New(0), *seen = NULL;
+    if (out == NULL)
+        return NULL;
+    if (n > 1 && (seen = PySet_New(NULL)) == NULL)
+        goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t id = resident_of(p, items[i]);
+        if (id == -2)
+            goto fail;
+        if (id >= 0)
+            continue;
+        if (seen != NULL) {
+            int dup = PySet_Contains(seen, items[i]);
+            if (dup < 0 || (!dup && PySet_Add(seen, items[i]) < 0))
+                goto fail;
+            if (dup)
+                continue;
+        }
+        if (PyList_Append(out, items[i]) < 0)
+            goto fail;
+    }
+    Py_XDECREF(seen);
+    return out;
+fail:
+    Py_XDECREF(seen);
+    Py_DECREF(out);
+    return NULL;
+}
+
+static PyObject *Pool_new_keys(Pool *p, PyObject *keys) {
+    PyObject *f = fast(keys);
+    if (f == NULL)
+        return NULL;
+    PyObject *out = new_keys_of(p, f);
+    Py_DECREF(f);
+    return out;
+}
+
+static Py_ssize_t free_count(const Pool *p) { return p->n_free + p->capacity - p->fresh; }
+
+static PyObject *Pool_can_place(Pool *p, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    PyObject *keys, *new_ = Py_None;
+    if (two_args(args, nargs, kwnames, "new", &keys, &new_) < 0)
+        return NULL;
+    PyObject *f = fast(keys), *nf = NULL;
+    if (f == NULL)
+        return NULL;
+    nf = new_ == Py_None ? new_keys_of(p, f) : fast(new_);
+    if (nf == NULL) {
+        Py_DECREF(f);
+        return NULL;
+    }
+    Py_ssize_t need = PySequence_Fast_GET_SIZE(nf) - free_count(p);
+    Py_DECREF(nf);
+    if (need <= 0) {
+        Py_DECREF(f);
+        Py_RETURN_TRUE;
+    }
+    if (mark_keys(p, f) < 0) {   /* reuse marks to count each protected key once */
+        Py_DECREF(f);
+        return NULL;
+    }
+    Py_ssize_t protected_evictable = 0, n = PySequence_Fast_GET_SIZE(f);
+    PyObject **items = PySequence_Fast_ITEMS(f);
+    uint32_t counted = p->mark;
+    for (Py_ssize_t i = 0; i < n; i++) {   /* entry_of cannot fail: mark_keys hashed them */
+        int32_t id = entry_of(p, items[i]);
+        if (id >= 0 && p->e[id].mark == counted && p->e[id].list != NO_LIST && resident(&p->e[id])) {
+            protected_evictable++;
+            p->e[id].mark = 0;
+        }
+    }
+    Py_DECREF(f);
+    return PyBool_FromLong(evictable_count(p) - protected_evictable >= need);
+}
+
+static PyObject *Pool_prepare_store(Pool *p, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    PyObject *keys, *new_ = Py_None, *f, *nf = NULL, *slots = NULL, *evicted = NULL, *plan = NULL;
+    int32_t *victims = NULL;
+    if (two_args(args, nargs, kwnames, "new", &keys, &new_) < 0)
+        return NULL;
+    if ((f = fast(keys)) == NULL)
+        return NULL;
+    if (new_ == Py_None) {
+        nf = new_keys_of(p, f);
+    } else {   /* the caller's new_keys(keys): checked, nothing changes if it is stale */
+        nf = PySequence_List(new_);
+        for (Py_ssize_t i = 0; nf != NULL && i < PyList_GET_SIZE(nf); i++) {
+            int32_t id = resident_of(p, PyList_GET_ITEM(nf, i));
+            if (id != -1) {
+                if (id >= 0)
+                    PyErr_SetString(PyExc_ValueError, "prepare_store: a key of `new` is already resident");
+                Py_CLEAR(nf);
+            }
+        }
+        if (nf != NULL && PyList_GET_SIZE(nf) > 1) {
+            PyObject *distinct = PySet_New(nf);
+            Py_ssize_t n_distinct = distinct ? PySet_GET_SIZE(distinct) : -1;
+            Py_XDECREF(distinct);
+            if (n_distinct != PyList_GET_SIZE(nf)) {
+                if (n_distinct >= 0)
+                    PyErr_SetString(PyExc_ValueError, "prepare_store: `new` repeats a key");
+                Py_CLEAR(nf);
+            }
+        }
+    }
+    if (nf == NULL)
+        goto done;
+    Py_ssize_t n_new = PyList_GET_SIZE(nf);
+    if ((evicted = PyList_New(0)) == NULL || (slots = PyList_New(n_new)) == NULL)
+        goto done;
+    if (n_new == 0) {
+        plan = PyObject_CallFunctionObjArgs(PLAN, nf, slots, evicted, NULL);
+        goto done;
+    }
+    if (reserve(p, n_new) < 0)
+        goto done;
+    Py_ssize_t need = n_new - free_count(p);
+    if (need > 0) {
+        if (mark_keys(p, f) < 0 || (victims = PyMem_Malloc(sizeof(int32_t) * need)) == NULL) {
+            if (!PyErr_Occurred())
+                PyErr_NoMemory();
+            goto done;
+        }
+        if (!choose_victims(p, need, victims)) {
+            p->store_refusals++;
+            plan = Py_NewRef(Py_None);
+            goto done;
+        }
+        for (Py_ssize_t i = 0; i < need; i++)   /* list first: evicting may drop the key */
+            if (PyList_Append(evicted, p->e[victims[i]].key) < 0)
+                goto done;
+        for (Py_ssize_t i = 0; i < need; i++)
+            evict_entry(p, victims[i]);
+        p->evictions += need;
+        if (record(p, REMOVED, evicted) < 0)
+            goto done;
+    }
+    for (Py_ssize_t i = 0; i < n_new; i++) {
+        PyObject *key = PyList_GET_ITEM(nf, i);
+        int32_t slot = p->n_free ? p->free_slots[--p->n_free] : (int32_t)p->fresh++;
+        PyObject *s = PyLong_FromLong(slot);
+        if (s == NULL)
+            goto done;
+        PyList_SET_ITEM(slots, i, s);
+        insert_key(p, key, PyObject_Hash(key), slot);   /* hashed already: cannot fail */
+    }
+    plan = PyObject_CallFunctionObjArgs(PLAN, nf, slots, evicted, NULL);
+done:
+    PyMem_Free(victims);
+    Py_DECREF(f);
+    Py_XDECREF(nf);
+    Py_XDECREF(slots);
+    Py_XDECREF(evicted);
+    return plan;
+}
+
+static PyObject *Pool_complete_store(Pool *p, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    PyObject *keys, *success_obj = Py_True;
+    if (two_args(args, nargs, kwnames, "success", &keys, &success_obj) < 0)
+        return NULL;
+    int success = PyObject_IsTrue(success_obj);
+    PyObject *f;
+    if (success < 0 || (f = fast(keys)) == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(f), done_n = 0;
+    PyObject **items = PySequence_Fast_ITEMS(f);
+    PyObject *done = (success && p->events != Py_None) ? PyList_New(0) : NULL;
+    if (success && p->events != Py_None && done == NULL)
+        goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t id = resident_of(p, items[i]);
+        if (id == -2)
+            goto fail;
+        if (id < 0 || p->e[id].refs != WRITE_PENDING)
+            continue;
+        if (success) {
+            p->e[id].refs = 0;
+            set_evictable(p, id);
+            if (done != NULL && PyList_Append(done, items[i]) < 0)
+                goto fail;
+        } else {
+            remove_resident(p, id);
+        }
+        done_n++;
+    }
+    if (success) {
+        p->stores += done_n;
+        if (done_n && done != NULL && record(p, STORED, done) < 0)
+            goto fail;
+    } else {
+        p->failed_stores += done_n;
+    }
+    Py_XDECREF(done);
+    Py_DECREF(f);
+    Py_RETURN_NONE;
+fail:
+    Py_XDECREF(done);
+    Py_DECREF(f);
+    return NULL;
+}
+
+static PyObject *Pool_prepare_load(Pool *p, PyObject *keys) {
+    PyObject *f = fast(keys), *slots = NULL;
+    if (f == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(f);
+    PyObject **items = PySequence_Fast_ITEMS(f);
+    for (Py_ssize_t i = 0; i < n; i++) {   /* all loadable, or nothing is pinned */
+        int32_t id = resident_of(p, items[i]);
+        if (id == -2)
+            goto done;
+        if (id < 0 || p->e[id].refs == WRITE_PENDING) {
+            PyErr_Format(PyExc_KeyError, "group %S: key is not loadable", p->group_id);
+            goto done;
+        }
+    }
+    if ((slots = PyList_New(n)) == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *s;
+        Entry *en = &p->e[resident_of(p, items[i])];
+        if ((s = PyLong_FromLong(en->slot)) == NULL) {
+            Py_CLEAR(slots);
+            goto done;
+        }
+        if (en->refs++ == 0)
+            unlink_entry(p, (int32_t)(en - p->e));
+        PyList_SET_ITEM(slots, i, s);
+    }
+done:
+    Py_DECREF(f);
+    return slots;
+}
+
+static PyObject *Pool_complete_load(Pool *p, PyObject *keys) {
+    PyObject *f = fast(keys);
+    if (f == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(f);
+    PyObject **items = PySequence_Fast_ITEMS(f);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t id = resident_of(p, items[i]);
+        if (id < 0) {
+            if (id == -1)
+                PyErr_SetObject(PyExc_KeyError, items[i]);
+            Py_DECREF(f);
+            return NULL;
+        }
+        if (p->e[id].refs <= 0) {
+            PyErr_Format(PyExc_ValueError, "group %S: complete_load without prepare_load", p->group_id);
+            Py_DECREF(f);
+            return NULL;
+        }
+        if (--p->e[id].refs == 0)
+            set_evictable(p, id);
+    }
+    Py_DECREF(f);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Pool_reset(Pool *p, PyObject *Py_UNUSED(ignored)) {
+    PyObject *idle = PyList_New(0);
+    if (idle == NULL)
+        return NULL;
+    for (int32_t id = 0; id < p->n_entries; id++)
+        if (resident(&p->e[id]) && p->e[id].refs == 0 && PyList_Append(idle, p->e[id].key) < 0) {
+            Py_DECREF(idle);
+            return NULL;
+        }
+    for (int32_t id = 0; id < p->n_entries; id++)
+        if (resident(&p->e[id]) && p->e[id].refs == 0)
+            remove_resident(p, id);
+    int rc = PyList_GET_SIZE(idle) ? record(p, REMOVED, idle) : 0;
+    Py_DECREF(idle);
+    if (rc < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Pool_resident_keys(Pool *p, PyObject *Py_UNUSED(ignored)) {
+    PyObject *out = PyList_New(0);
+    for (int32_t id = 0; out != NULL && id < p->n_entries; id++)
+        if (resident(&p->e[id]) && PyList_Append(out, p->e[id].key) < 0)
+            Py_CLEAR(out);
+    return out;
+}
+
+static PyObject *Pool_free_count(Pool *p, PyObject *Py_UNUSED(ignored)) {
+    return PyLong_FromSsize_t(free_count(p));
+}
+
+static PyObject *Pool_evictable_count(Pool *p, PyObject *Py_UNUSED(ignored)) {
+    return PyLong_FromSsize_t(evictable_count(p));
+}
+
+static PyObject *Pool_slot_of(Pool *p, PyObject *key) {
+    int32_t id = resident_of(p, key);
+    if (id == -1)
+        PyErr_SetObject(PyExc_KeyError, key);
+    return id < 0 ? NULL : PyLong_FromLong(p->e[id].slot);
+}
+
+static PyObject *Pool_refs_of(Pool *p, PyObject *key) {
+    int32_t id = resident_of(p, key);
+    if (id == -2)
+        return NULL;
+    return id < 0 ? Py_NewRef(Py_None) : PyLong_FromLong(p->e[id].refs);
+}
+
+static Py_ssize_t Pool_len(Pool *p) { return p->resident; }
+
+static int Pool_contains(Pool *p, PyObject *key) {
+    int32_t id = resident_of(p, key);
+    return id == -2 ? -1 : id >= 0;
+}
+
+/* ---- type ----------------------------------------------------------------------------- */
+
+static int Pool_init(Pool *p, PyObject *args, PyObject *kwds) {
+    static char *names[] = {"group_id", "capacity", "policy", "record_events", NULL};
+    PyObject *group_id;
+    Py_ssize_t capacity;
+    const char *policy = "lru";
+    int record_events = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "On|sp", names, &group_id, &capacity, &policy, &record_events))
+        return -1;
+    if (MISS == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "_slotpool.bind() was not called (import hybridkv.ram.compiled_pool)");
+        return -1;
+    }
+    if (p->e != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "a slot pool is initialised once");
+        return -1;
+    }
+    if (capacity <= 0 || capacity > INT32_MAX / 4) {
+        PyErr_Format(PyExc_ValueError, "group %S: a pool needs between 1 and %d slots", group_id, INT32_MAX / 4);
+        return -1;
+    }
+    if (strcmp(policy, "lru") == 0)
+        p->policy = POLICY_LRU;
+    else if (strcmp(policy, "arc") == 0)
+        p->policy = POLICY_ARC;
+    else {
+        PyErr_Format(PyExc_ValueError, "unknown eviction policy '%s' for the compiled pool; use 'lru' or 'arc'", policy);
+        return -1;
+    }
+    p->capacity = capacity;
+    p->group_id = Py_NewRef(group_id);
+    p->free_entry = EMPTY;
+    for (int l = 0; l < 4; l++)
+        p->head[l] = p->tail[l] = EMPTY;
+    p->events = record_events ? PyList_New(0) : Py_NewRef(Py_None);
+    p->free_slots = PyMem_Malloc(sizeof(int32_t) * (size_t)capacity);
+    if (p->events == NULL || p->free_slots == NULL || resize_table(p, 4) < 0 || reserve(p, 1) < 0) {
+        if (!PyErr_Occurred())
+            PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+static void Pool_dealloc(Pool *p) {
+    for (int32_t i = 0; i < p->n_entries; i++)
+        Py_XDECREF(p->e[i].key);
+    PyMem_Free(p->e);
+    PyMem_Free(p->table);
+    PyMem_Free(p->free_slots);
+    Py_XDECREF(p->group_id);
+    Py_XDECREF(p->events);
+    Py_TYPE(p)->tp_free((PyObject *)p);
+}
+
+static PyMethodDef Pool_methods[] = {
+    {"lookup", (PyCFunction)Pool_lookup, METH_O, "key -> MISS, HIT or HIT_PENDING"},
+    {"touch", (PyCFunction)Pool_touch, METH_O, "keys of one request, prefix order: make them most recent"},
+    {"new_keys", (PyCFunction)Pool_new_keys, METH_O, "keys not resident or in flight, without duplicates"},
+    {"can_place", (PyCFunction)(void (*)(void))Pool_can_place, METH_FASTCALL | METH_KEYWORDS, "would prepare_store succeed now?"},
+    {"prepare_store", (PyCFunction)(void (*)(void))Pool_prepare_store, METH_FASTCALL | METH_KEYWORDS, "reserve slots (StorePlan) or None"},
+    {"complete_store", (PyCFunction)(void (*)(void))Pool_complete_store, METH_FASTCALL | METH_KEYWORDS, "publish (success) or release reserved keys"},
+    {"prepare_load", (PyCFunction)Pool_prepare_load, METH_O, "pin stored keys, return their slots"},
+    {"complete_load", (PyCFunction)Pool_complete_load, METH_O, "unpin keys"},
+    {"reset", (PyCFunction)Pool_reset, METH_NOARGS, "forget every idle key"},
+    {"resident_keys", (PyCFunction)Pool_resident_keys, METH_NOARGS, NULL},
+    {"free_count", (PyCFunction)Pool_free_count, METH_NOARGS, NULL},
+    {"evictable_count", (PyCFunction)Pool_evictable_count, METH_NOARGS, NULL},
+    {"slot_of", (PyCFunction)Pool_slot_of, METH_O, NULL},
+    {"refs_of", (PyCFunction)Pool_refs_of, METH_O, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef Pool_members[] = {
+    {"group_id", T_OBJECT, offsetof(Pool, group_id), READONLY, NULL},
+    {"capacity", T_PYSSIZET, offsetof(Pool, capacity), READONLY, NULL},
+    {"target_t1", T_DOUBLE, offsetof(Pool, target_t1), 0, "ARC: how many resident keys T1 should hold"},
+    {"events", T_OBJECT, offsetof(Pool, events), 0, "None, or the PoolEvents recorded since the last drain"},
+    {"stores", T_LONGLONG, offsetof(Pool, stores), 0, NULL},
+    {"failed_stores", T_LONGLONG, offsetof(Pool, failed_stores), 0, NULL},
+    {"evictions", T_LONGLONG, offsetof(Pool, evictions), 0, NULL},
+    {"store_refusals", T_LONGLONG, offsetof(Pool, store_refusals), 0, NULL},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PySequenceMethods Pool_as_sequence = {
+    .sq_length = (lenfunc)Pool_len,
+    .sq_contains = (objobjproc)Pool_contains,
+};
+
+static PyTypeObject PoolType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "hybridkv.ram._slotpool.SlotTable",
+    .tp_basicsize = sizeof(Pool),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_doc = "SlotTable(group_id, capacity, policy='lru', record_events=False): a slot pool in C",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Pool_init,
+    .tp_dealloc = (destructor)Pool_dealloc,
+    .tp_methods = Pool_methods,
+    .tp_members = Pool_members,
+    .tp_as_sequence = &Pool_as_sequence,
+};
+
+static PyObject *bind(PyObject *Py_UNUSED(module), PyObject *args) {
+    PyObject *v[7];
+    if (!PyArg_ParseTuple(args, "OOOOOOO", &v[0], &v[1], &v[2], &v[3], &v[4], &v[5], &v[6]))
+        return NULL;
+    PyObject **dest[7] = {&MISS, &HIT, &HIT_PENDING, &PLAN, &EVENT, &STORED, &REMOVED};
+    for (int i = 0; i < 7; i++)
+        Py_XSETREF(*dest[i], Py_NewRef(v[i]));
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"bind", bind, METH_VARARGS,
+     "bind(MISS, HIT, HIT_PENDING, StorePlan, PoolEvent, STORED, REMOVED): the values to hand out"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "hybridkv.ram._slotpool",
+    "The slot pool's hot path in C (see compiled_pool.py).", -1, module_methods,
+};
+
+PyMODINIT_FUNC PyInit__slotpool(void) {
+    if (PyType_Ready(&PoolType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    if (PyModule_AddObjectRef(m, "SlotTable", (PyObject *)&PoolType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
