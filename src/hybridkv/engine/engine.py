@@ -125,15 +125,15 @@ class Engine:
         ids = self.check(prompt, max_new_tokens, salt)
         index = next(self._ids)
         conn = self.connector
+        t0 = time.perf_counter()       # TTFT counts the hit lookup too
         req = conn.begin(f"r{index}-{id(self)}", ids, salt, max_stored_tokens) if conn else None
         try:
-            return self._run(index, ids, max_new_tokens, req)
+            return self._run(index, ids, max_new_tokens, req, t0)
         finally:
             if req is not None:      # also on an exception: no pin outlives its request
                 conn.finish(req)
 
-    def _run(self, index: int, ids: list[int], max_new_tokens: int, req) -> GenerationResult:
-        t0 = time.perf_counter()
+    def _run(self, index: int, ids: list[int], max_new_tokens: int, req, t0: float) -> GenerationResult:
         conn = self.connector
         start, cache, restored_bytes = 0, None, 0
         if req is not None and req.hit_tokens:

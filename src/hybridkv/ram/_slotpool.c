@@ -46,8 +46,8 @@ typedef struct {
     Bucket *table;
     int bits;
     Py_ssize_t used;        /* entries in the table (resident + ghosts) */
-    int32_t *free_slots;
-    Py_ssize_t n_free, fresh;
+    int32_t *free_slots;    /* grown with `fresh`: a pool of a billion slots costs what it uses */
+    Py_ssize_t n_free, free_cap, fresh;
     int32_t head[4], tail[4];
     Py_ssize_t len[4];
     Py_ssize_t resident, size1, size2;  /* size1/size2: ARC's resident keys per list */
@@ -172,6 +172,18 @@ static int reserve(Pool *p, Py_ssize_t more) {
     }
     if (bits != p->bits && resize_table(p, bits) < 0)
         return -1;
+    if (p->fresh + more > p->free_cap) {   /* every slot ever handed out may come back */
+        Py_ssize_t cap = p->free_cap ? p->free_cap : 16;
+        while (cap < p->fresh + more)
+            cap *= 2;
+        int32_t *slots = PyMem_Realloc(p->free_slots, sizeof(int32_t) * (size_t)cap);
+        if (slots == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        p->free_slots = slots;
+        p->free_cap = cap;
+    }
     Py_ssize_t free_n = 0;
     for (int32_t f = p->free_entry; f != EMPTY && free_n < more; f = p->e[f].next)
         free_n++;
@@ -825,8 +837,8 @@ static int Pool_init(Pool *p, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_RuntimeError, "a slot pool is initialised once");
         return -1;
     }
-    if (capacity <= 0 || capacity > INT32_MAX / 4) {
-        PyErr_Format(PyExc_ValueError, "group %S: a pool needs between 1 and %d slots", group_id, INT32_MAX / 4);
+    if (capacity <= 0) {
+        PyErr_Format(PyExc_ValueError, "group %S: a pool needs at least one slot", group_id);
         return -1;
     }
     if (strcmp(policy, "lru") == 0)
@@ -843,8 +855,7 @@ static int Pool_init(Pool *p, PyObject *args, PyObject *kwds) {
     for (int l = 0; l < 4; l++)
         p->head[l] = p->tail[l] = EMPTY;
     p->events = record_events ? PyList_New(0) : Py_NewRef(Py_None);
-    p->free_slots = PyMem_Malloc(sizeof(int32_t) * (size_t)capacity);
-    if (p->events == NULL || p->free_slots == NULL || resize_table(p, 4) < 0 || reserve(p, 1) < 0) {
+    if (p->events == NULL || resize_table(p, 4) < 0 || reserve(p, 1) < 0) {
         if (!PyErr_Occurred())
             PyErr_NoMemory();
         return -1;
