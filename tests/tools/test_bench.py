@@ -35,6 +35,7 @@ def test_bench_cli_quick_json_and_report(tmp_path):
                    env={"HYBRIDKV_VLLM_PYTHON": str(tmp_path / "no-python")})
     assert proc.returncode == 0, proc.stderr
     res = json.loads(proc.stdout)
+    assert "]: manager: lru on 4,096 slots" in proc.stderr     # progress reaches stderr under --json
     assert set(res["ram"]) >= {"copy_gbps", "memcpy_gbps", "ratio"}
     assert set(res["fs"]) >= {"write_gbps", "read_gbps", "raw_write_gbps", "raw_read_gbps",
                               "write_ratio", "read_ratio"}

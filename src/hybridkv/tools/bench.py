@@ -546,7 +546,7 @@ def run_bench(quick: bool = False, remote: str | None = None, manager_slots: int
     out["manager"] = [bench_manager_size(n, 3 if quick else 5, progress)
                       for n in ([manager_slots] if manager_slots else MANAGER_SLOTS[quick])]
     progress("restore vs recompute")
-    out["restore"] = bench_restore([1024, 4096] if quick else [1024, 4096, 16384, 32768], repeats=2 if quick else 3)
+    out["restore"] = bench_restore([1024, 4096] if quick else [1024, 4096, 16384, 32000], repeats=2 if quick else 3)
     progress("workload simulator")
     out["simulator"] = bench_simulator(quick)
     out["seconds"] = time.perf_counter() - started

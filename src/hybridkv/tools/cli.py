@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from dataclasses import fields
 
 from hybridkv.config import CacheConfig
@@ -238,7 +239,11 @@ def _cmd_bench(args) -> int:
     if args.manager_slots is not None and args.manager_slots < 1024:
         raise HybridKVError("--manager-slots must be at least 1024")
     _quiet_transformers()
-    progress = (lambda _m: None) if args.json else (lambda m: print(f"bench: {m} ...", file=sys.stderr, flush=True))
+    started = time.monotonic()
+
+    def progress(message: str) -> None:   # stderr, also under --json: a full run takes minutes
+        print(f"bench [{time.monotonic() - started:5.0f} s]: {message} ...", file=sys.stderr, flush=True)
+
     results = run_bench(args.quick, args.remote, args.manager_slots, progress)
     if args.plot:
         for path in plot(results, args.plot):
