@@ -4,7 +4,8 @@
  * Why: the Python pool keeps a key in four to six dicts (entries, visibility, the policy's
  * order and ghost lists), so every store cycle on a large pool pays a dozen dict probes,
  * each a cache miss, plus interpreter overhead. Here a key is one table bucket and one
- * 40-byte entry. Semantics are exactly those of ram/pool.py + ram/policies.py (LRU and ARC,
+ * 40-byte entry, and a lookup reads only the bucket (which holds the key pointer and the
+ * answer) and the key itself: two cache misses on a large pool. Semantics are exactly those of ram/pool.py + ram/policies.py (LRU and ARC,
  * same victims, same slot order; tests/ram/test_compiled_pool.py runs both side by side).
  * compiled_pool.py wraps this type; pool.make_pool falls back to Python without it.
  */
@@ -31,10 +32,16 @@ typedef struct {
     uint32_t mark;          /* == pool->mark: one of the current call's keys */
 } Entry;
 
+/* A bucket answers a lookup by itself (key compare + answer bits): the entry is not read. */
 typedef struct {
+    PyObject *key;          /* the entry's key (the entry owns the reference) */
     int32_t id;             /* entry index or EMPTY */
-    uint32_t h;             /* folded hash: filters probes without touching the entry */
+    uint32_t h;             /* bits 0-29: folded hash; 30-31: what a lookup answers */
 } Bucket;
+
+#define HASH_BITS 0x3FFFFFFFu
+#define ANSWER_SHIFT 30
+enum { ANSWER_MISS = 0, ANSWER_HIT = 1, ANSWER_PENDING = 2 };   /* MISS: an ARC ghost */
 
 typedef struct {
     PyObject_HEAD
@@ -64,11 +71,15 @@ static PyObject *MISS, *HIT, *HIT_PENDING, *PLAN, *EVENT, *STORED, *REMOVED;
 
 static inline uint32_t fold(Py_hash_t hash) {
     uint64_t h = (uint64_t)hash;
-    return (uint32_t)(h ^ (h >> 32));
+    return (uint32_t)(h ^ (h >> 32)) & HASH_BITS;
 }
 
 static inline size_t home(const Pool *p, uint32_t h) {
-    return (size_t)((uint32_t)(h * 2654435769u) >> (32 - p->bits));
+    return (size_t)((uint32_t)((h & HASH_BITS) * 2654435769u) >> (32 - p->bits));
+}
+
+static inline void set_answer(Pool *p, Py_ssize_t bucket, int answer) {
+    p->table[bucket].h = (p->table[bucket].h & HASH_BITS) | ((uint32_t)answer << ANSWER_SHIFT);
 }
 
 /* Bucket index holding key, or -1 (absent), or -2 (comparison raised). */
@@ -79,46 +90,50 @@ static Py_ssize_t find(Pool *p, PyObject *key, Py_hash_t hash) {
         Bucket *b = &p->table[i];
         if (b->id == EMPTY)
             return -1;
-        if (b->h == h) {
-            Entry *en = &p->e[b->id];
-            if (en->key == key)
+        if ((b->h & HASH_BITS) == h) {
+            if (b->key == key)
                 return (Py_ssize_t)i;
-            if (en->hash == hash) {
-                int eq = PyObject_RichCompareBool(en->key, key, Py_EQ);
-                if (eq < 0)
-                    return -2;
-                if (eq)
-                    return (Py_ssize_t)i;
-            }
+            int eq = PyObject_RichCompareBool(b->key, key, Py_EQ);
+            if (eq < 0)
+                return -2;
+            if (eq)
+                return (Py_ssize_t)i;
         }
         i = (i + 1) & mask;
     }
 }
 
+/* Bucket of a key (resident or ghost), -1 when absent, -2 on error. */
+static Py_ssize_t bucket_of(Pool *p, PyObject *key) {
+    Py_hash_t hash = PyObject_Hash(key);
+    return hash == -1 ? -2 : find(p, key, hash);
+}
+
 /* Entry id of a key (resident or ghost), -1 when absent, -2 on error. */
 static int32_t entry_of(Pool *p, PyObject *key) {
-    Py_hash_t hash = PyObject_Hash(key);
-    if (hash == -1)
-        return -2;
-    Py_ssize_t i = find(p, key, hash);
-    return i < 0 ? (int32_t)i : p->table[i].id;
+    Py_ssize_t b = bucket_of(p, key);
+    return b < 0 ? (int32_t)b : p->table[b].id;
 }
 
 static inline int resident(const Entry *en) { return en->where == IN_T1 || en->where == IN_T2; }
 
-/* Resident entry id of key, -1 when not resident, -2 on error. */
-static int32_t resident_of(Pool *p, PyObject *key) {
-    int32_t id = entry_of(p, key);
-    return (id >= 0 && !resident(&p->e[id])) ? -1 : id;
+/* Bucket of a resident key, -1 when not resident, -2 on error. */
+static Py_ssize_t resident_bucket(Pool *p, PyObject *key) {
+    Py_ssize_t b = bucket_of(p, key);
+    return (b >= 0 && !resident(&p->e[p->table[b].id])) ? -1 : b;
 }
 
-static void put(Pool *p, int32_t id) {
-    uint32_t h = fold(p->e[id].hash);
-    size_t mask = ((size_t)1 << p->bits) - 1, i = home(p, h);
+/* Resident entry id of key, -1 when not resident, -2 on error. */
+static int32_t resident_of(Pool *p, PyObject *key) {
+    Py_ssize_t b = resident_bucket(p, key);
+    return b < 0 ? (int32_t)b : p->table[b].id;
+}
+
+static void place(Pool *p, Bucket b) {
+    size_t mask = ((size_t)1 << p->bits) - 1, i = home(p, b.h);
     while (p->table[i].id != EMPTY)
         i = (i + 1) & mask;
-    p->table[i].id = id;
-    p->table[i].h = h;
+    p->table[i] = b;
     p->used++;
 }
 
@@ -155,7 +170,7 @@ static int resize_table(Pool *p, int bits) {
     p->used = 0;
     for (size_t i = 0; i < old_n; i++)
         if (old[i].id != EMPTY)
-            put(p, old[i].id);
+            place(p, old[i]);
     PyMem_Free(old);
     return 0;
 }
@@ -223,7 +238,7 @@ static int32_t add_entry(Pool *p, PyObject *key, Py_hash_t hash) {
     en->hash = hash;
     en->list = NO_LIST;
     en->prev = en->next = EMPTY;
-    put(p, id);
+    place(p, (Bucket){key, id, fold(hash) | ((uint32_t)ANSWER_PENDING << ANSWER_SHIFT)});
     return id;
 }
 
@@ -317,6 +332,7 @@ static void evict_entry(Pool *p, int32_t id) {
     p->resident--;
     en->where = ghosts == B1 ? GHOST_B1 : GHOST_B2;
     en->slot = -1;
+    set_answer(p, find(p, en->key, en->hash), ANSWER_MISS);   /* an identity hit */
     push_back(p, ghosts, id);
     if (p->len[ghosts] > p->capacity) {
         int32_t oldest = p->head[ghosts];
@@ -397,8 +413,7 @@ static int32_t insert_key(Pool *p, PyObject *key, Py_hash_t hash, int32_t slot) 
             }
             unlink_entry(p, id);
             where = IN_T2;
-            Py_INCREF(key);
-            Py_SETREF(p->e[id].key, key);
+            set_answer(p, b, ANSWER_PENDING);   /* the ghost's key object stays: it is equal */
         }
     }
     if (id == EMPTY)
@@ -461,11 +476,13 @@ static int two_args(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
 /* ---- methods -------------------------------------------------------------------------- */
 
 static PyObject *Pool_lookup(Pool *p, PyObject *key) {
-    int32_t id = resident_of(p, key);
-    if (id == -2)
+    Py_ssize_t b = bucket_of(p, key);
+    if (b == -2)
         return NULL;
-    PyObject *r = id < 0 ? MISS : (p->e[id].refs == WRITE_PENDING ? HIT_PENDING : HIT);
-    return Py_NewRef(r);
+    if (b < 0)
+        return Py_NewRef(MISS);
+    uint32_t answer = p->table[b].h >> ANSWER_SHIFT;
+    return Py_NewRef(answer == ANSWER_HIT ? HIT : answer == ANSWER_PENDING ? HIT_PENDING : MISS);
 }
 
 static PyObject *Pool_touch(Pool *p, PyObject *keys) {
@@ -673,13 +690,15 @@ static PyObject *Pool_complete_store(Pool *p, PyObject *const *args, Py_ssize_t 
     if (success && p->events != Py_None && done == NULL)
         goto fail;
     for (Py_ssize_t i = 0; i < n; i++) {
-        int32_t id = resident_of(p, items[i]);
-        if (id == -2)
+        Py_ssize_t b = resident_bucket(p, items[i]);
+        if (b == -2)
             goto fail;
-        if (id < 0 || p->e[id].refs != WRITE_PENDING)
+        if (b < 0 || p->e[p->table[b].id].refs != WRITE_PENDING)
             continue;
+        int32_t id = p->table[b].id;
         if (success) {
             p->e[id].refs = 0;
+            set_answer(p, b, ANSWER_HIT);
             set_evictable(p, id);
             if (done != NULL && PyList_Append(done, items[i]) < 0)
                 goto fail;
