@@ -3,7 +3,7 @@ import json
 import pytest
 
 from hybridkv.tools.bench import bench_fs, bench_fs_batch, bench_fs_startup, bench_ram, bench_remote
-from hybridkv.tools.bench_report import plot, tables
+from hybridkv.tools.bench_report import plot, tables, vllm_table
 
 from helpers.cli import assert_one_line_error, cli, run_cli
 
@@ -64,3 +64,17 @@ def test_bench_cli_quick_json_and_report(tmp_path):
 
 def test_bench_cli_misuse():
     assert_one_line_error(cli("bench", "--manager-slots", "10"), "--manager-slots must be at least 1024")
+
+
+def test_vllm_table_names_the_machine_when_the_run_recorded_it():
+    def ttft(seconds, cached):
+        return {"ttft_s": seconds, "cached": cached}
+
+    row = {"tokens": 2048, "vllm_cold": ttft(0.2, 0), "vllm_local": ttft(0.02, 1920),
+           "hybridkv_cold": ttft(0.2, 0), "hybridkv_ram": ttft(0.025, 1920), "hybridkv_disk": ttft(0.05, 1920)}
+    results = {"families": [{"family": "lfm2", "rows": [row]}], "reps": 1, "offloading": "refused"}
+    assert vllm_table(results).startswith("| family |")        # older runs: no machine recorded
+    results["machine"] = {"cpu": "AMD EPYC", "cores": 2, "torch": "2.13.0+cpu", "vllm": "0.32.0"}
+    text = vllm_table(results)
+    assert text.startswith("Machine: AMD EPYC, 2 cores; vLLM 0.32.0, torch 2.13.0+cpu.")
+    assert "| lfm2 | 2,048 | 200 ms (0 cached) |" in text and "| 8.0x / 4.0x |" in text

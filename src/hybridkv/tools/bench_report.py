@@ -260,7 +260,9 @@ CHARTS = """
 
 def vllm_table(results: dict) -> str:
     """The TTFT table of ``hybridkv.tools.bench_vllm`` results."""
-    lines = ["| family | prompt | vLLM cold | vLLM own prefix cache | hybridkv cold | hybridkv RAM "
+    m = results.get("machine")   # runs before 2026-12-05 did not record it
+    lines = [f"Machine: {m['cpu']}, {m['cores']} cores; vLLM {m['vllm']}, torch {m['torch']}.\n"] if m else []
+    lines += ["| family | prompt | vLLM cold | vLLM own prefix cache | hybridkv cold | hybridkv RAM "
              "| hybridkv disk (new process) | speed-up RAM / disk vs cold |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
 

