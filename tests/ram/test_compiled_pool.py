@@ -160,7 +160,8 @@ def test_make_pool_falls_back_to_python_without_the_extension(monkeypatch):
     monkeypatch.setitem(sys.modules, "hybridkv.ram.compiled_pool", None)   # import raises
     pools = GroupedPools({0: 2}, "arc")
     assert type(pools.pool(0)) is SlotPool
-    pools.complete_store(pools.prepare_store({0: [b"a"]}) and {0: [b"a"]})
+    plans = pools.prepare_store({0: [b"a"]})
+    pools.complete_store({0: plans[0].keys})
     assert pools.lookup(0, b"a") is Lookup.HIT
 
 

@@ -199,9 +199,7 @@ static int reserve(Pool *p, Py_ssize_t more) {
         p->free_slots = slots;
         p->free_cap = cap;
     }
-    Py_ssize_t free_n = 0;
-    for (int32_t f = p->free_entry; f != EMPTY && free_n < more; f = p->e[f].next)
-        free_n++;
+    Py_ssize_t free_n = p->n_entries - p->used;   /* every live entry holds one bucket */
     if (free_n >= more)
         return 0;
     Py_ssize_t n = p->n_entries ? p->n_entries : 16;
@@ -299,8 +297,8 @@ static void set_evictable(Pool *p, int32_t id) {
 
 static Py_ssize_t evictable_count(const Pool *p) { return p->len[T1] + p->len[T2]; }
 
-/* Forget a resident key for good (failed store, reset): slot back to the free list. */
-static void remove_resident(Pool *p, int32_t id) {
+/* A resident key gives up its slot and leaves its list; the entry stays (see callers). */
+static void leave_residence(Pool *p, int32_t id) {
     Entry *en = &p->e[id];
     unlink_entry(p, id);
     if (en->where == IN_T1)
@@ -309,27 +307,23 @@ static void remove_resident(Pool *p, int32_t id) {
         p->size2--;
     p->free_slots[p->n_free++] = en->slot;
     p->resident--;
+}
+
+/* Forget a resident key for good (failed store, reset, LRU eviction). */
+static void remove_resident(Pool *p, int32_t id) {
+    leave_residence(p, id);
     drop_entry(p, id);
 }
 
 /* An evicted key: gone under LRU, a ghost under ARC (its list capped at capacity). */
 static void evict_entry(Pool *p, int32_t id) {
-    Entry *en = &p->e[id];
-    p->free_slots[p->n_free++] = en->slot;
     if (p->policy == POLICY_LRU) {
-        unlink_entry(p, id);
-        p->size1--;
-        p->resident--;
-        drop_entry(p, id);
+        remove_resident(p, id);
         return;
     }
+    Entry *en = &p->e[id];
     int ghosts = en->where == IN_T1 ? B1 : B2;
-    unlink_entry(p, id);
-    if (en->where == IN_T1)
-        p->size1--;
-    else
-        p->size2--;
-    p->resident--;
+    leave_residence(p, id);
     en->where = ghosts == B1 ? GHOST_B1 : GHOST_B2;
     en->slot = -1;
     set_answer(p, find(p, en->key, en->hash), ANSWER_MISS);   /* an identity hit */
@@ -341,23 +335,27 @@ static void evict_entry(Pool *p, int32_t id) {
     }
 }
 
-/* Mark the call's keys (they are never victims); returns -1 on error. */
-static int mark_keys(Pool *p, PyObject *fast) {
+/* Mark the call's keys (they are never victims). Returns how many distinct marked keys are
+ * evictable (what can_place must not count on), or -1 on error. */
+static Py_ssize_t mark_keys(Pool *p, PyObject *fast) {
     if (++p->mark == 0) {
         for (int32_t i = 0; i < p->n_entries; i++)
             p->e[i].mark = 0;
         p->mark = 1;
     }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), evictable = 0;
     PyObject **items = PySequence_Fast_ITEMS(fast);
     for (Py_ssize_t i = 0; i < n; i++) {
         int32_t id = entry_of(p, items[i]);
         if (id == -2)
             return -1;
-        if (id >= 0)
-            p->e[id].mark = p->mark;
+        if (id < 0 || p->e[id].mark == p->mark)
+            continue;
+        p->e[id].mark = p->mark;
+        if (resident(&p->e[id]) && p->e[id].list != NO_LIST)
+            evictable++;
     }
-    return 0;
+    return evictable;
 }
 
 /* First unmarked evictable entry at or after *cursor in its list, advancing the cursor. */
@@ -577,21 +575,10 @@ static PyObject *Pool_can_place(Pool *p, PyObject *const *args, Py_ssize_t nargs
         Py_DECREF(f);
         Py_RETURN_TRUE;
     }
-    if (mark_keys(p, f) < 0) {   /* reuse marks to count each protected key once */
-        Py_DECREF(f);
-        return NULL;
-    }
-    Py_ssize_t protected_evictable = 0, n = PySequence_Fast_GET_SIZE(f);
-    PyObject **items = PySequence_Fast_ITEMS(f);
-    uint32_t counted = p->mark;
-    for (Py_ssize_t i = 0; i < n; i++) {   /* entry_of cannot fail: mark_keys hashed them */
-        int32_t id = entry_of(p, items[i]);
-        if (id >= 0 && p->e[id].mark == counted && p->e[id].list != NO_LIST && resident(&p->e[id])) {
-            protected_evictable++;
-            p->e[id].mark = 0;
-        }
-    }
+    Py_ssize_t protected_evictable = mark_keys(p, f);
     Py_DECREF(f);
+    if (protected_evictable < 0)
+        return NULL;
     return PyBool_FromLong(evictable_count(p) - protected_evictable >= need);
 }
 
@@ -729,29 +716,35 @@ static PyObject *Pool_prepare_load(Pool *p, PyObject *keys) {
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(f);
     PyObject **items = PySequence_Fast_ITEMS(f);
+    int32_t *ids = PyMem_Malloc(sizeof(int32_t) * (n ? n : 1));
+    if (ids == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
     for (Py_ssize_t i = 0; i < n; i++) {   /* all loadable, or nothing is pinned */
-        int32_t id = resident_of(p, items[i]);
-        if (id == -2)
+        ids[i] = resident_of(p, items[i]);
+        if (ids[i] == -2)
             goto done;
-        if (id < 0 || p->e[id].refs == WRITE_PENDING) {
+        if (ids[i] < 0 || p->e[ids[i]].refs == WRITE_PENDING) {
             PyErr_Format(PyExc_KeyError, "group %S: key is not loadable", p->group_id);
             goto done;
         }
     }
     if ((slots = PyList_New(n)) == NULL)
         goto done;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *s;
-        Entry *en = &p->e[resident_of(p, items[i])];
-        if ((s = PyLong_FromLong(en->slot)) == NULL) {
+    for (Py_ssize_t i = 0; i < n; i++) {   /* the list first: nothing can fail once pins start */
+        PyObject *s = PyLong_FromLong(p->e[ids[i]].slot);
+        if (s == NULL) {
             Py_CLEAR(slots);
             goto done;
         }
-        if (en->refs++ == 0)
-            unlink_entry(p, (int32_t)(en - p->e));
         PyList_SET_ITEM(slots, i, s);
     }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (p->e[ids[i]].refs++ == 0)
+            unlink_entry(p, ids[i]);
 done:
+    PyMem_Free(ids);
     Py_DECREF(f);
     return slots;
 }
