@@ -7,7 +7,8 @@ import numpy as np
 from hybridkv.cache import TieredCache
 from hybridkv.config import CacheConfig
 from hybridkv.ram.regions import SharedRegion
-from hybridkv.tiers.filesystem import FilesystemTier, page_path
+from hybridkv.tiers import pagefile
+from hybridkv.tiers.filesystem import FilesystemTier
 
 from helpers.tier_worker import LAYOUT, key, page
 
@@ -64,9 +65,13 @@ def test_corrupt_secondary_page_fails_acquire_and_is_not_served(tmp_path):
     with TieredCache(LAYOUT, config) as cache:
         cache.store({1: [(key(4), page(1, 4))]})
     tier = FilesystemTier(tmp_path, LAYOUT)
-    path = page_path(tier.namespace, 1, key(4))
+    path, offset = tier.locate(1, key(4))
     tier.close()
-    os.truncate(path, 100)
+    with open(path, "r+b") as f:                 # one flipped payload byte
+        f.seek(offset + pagefile.HEADER_BYTES + 100)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 1]))
     with TieredCache(LAYOUT, config) as cache:
         assert cache.acquire({1: [key(4)]}) is None
         assert cache.locate(1, [key(4)]) == [None]

@@ -102,6 +102,8 @@ class TieredCache:
     def request_finished(self, request: str) -> int:
         """Release every pin the request still holds (finish, abort, preemption); returns the
         number that leaked."""
+        for tier in self.secondaries:
+            tier.flush()          # the request's pages are complete: no reason to hold them
         return self.pools.request_finished(request)
 
     def touch(self, wanted: Mapping[int, Sequence[bytes]]) -> None:
@@ -277,6 +279,8 @@ class TieredCache:
 
     def drain(self) -> None:
         """Wait for every write-through (clean shutdown, or before another process reads)."""
+        for tier in self.secondaries:
+            tier.flush()
         for w in self._writes:
             for f in w.futures:
                 f.result()

@@ -12,6 +12,7 @@ from hybridkv.core.retention import replay_boundary
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.hf_cache import STATE_GROUP
 from hybridkv.engine.models import BUILTINS
+from hybridkv.tiers import filesystem
 from hybridkv.tiers.filesystem import page_path
 
 from helpers.cli import assert_one_line_error, cli, run_cli
@@ -86,7 +87,8 @@ def test_hit_at_replay_boundary_when_prompt_is_block_aligned(tmp_path):
     assert again.hit_tokens == 3 * B and again.computed_tokens == B
 
 
-def test_missing_state_at_deepest_boundary_drops_to_previous_state(tmp_path):
+def test_missing_state_at_deepest_boundary_drops_to_previous_state(tmp_path, monkeypatch):
+    monkeypatch.setattr(filesystem, "PACK_MAX_PAGE", 0)    # a file per page, to remove one
     ids = prompt(5 * B + 3)
     cfg = CacheConfig(block_tokens=B, store=str(tmp_path), retention=2 * B)
     with Engine("tiny-hybrid", cfg) as engine:

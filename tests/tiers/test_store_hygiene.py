@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from hybridkv.tiers import filesystem
+from hybridkv.tiers import filesystem, pagefile
 from hybridkv.tiers.admin import gc_store, inspect_store, verify_store
 from hybridkv.tiers.filesystem import FilesystemTier, page_path
 
@@ -165,9 +165,8 @@ def test_read_only_store_serves_what_verifies_and_misses_the_rest(tmp_path):
     cold = json.loads(cli(*common, "--no-cache").stdout)
     assert filled.returncode == 0, filled.stderr
     (namespace,) = [p for p in store.iterdir() if p.is_dir()]
-    pages = sorted((namespace / "g0").glob("*/*.blk"))
-    assert len(pages) == 5
-    orphan = pages[0].parent / ".deadbeef.1.2.3.tmp"       # a crashed writer's leftover
+    (pack,) = (namespace / "packs").glob("*.pack")          # the request's pages, packed
+    orphan = pack.parent / ".deadbeef.1.2.3.tmp"           # a crashed writer's leftover
     orphan.write_bytes(b"x")
     before = {p: p.read_bytes() for p in namespace.rglob("*") if p.is_file()}
 
@@ -176,15 +175,15 @@ def test_read_only_store_serves_what_verifies_and_misses_the_rest(tmp_path):
     warm = json.loads(served.stdout)
     assert warm["hit_tokens"] == 5 * 64 and warm["logits_digest"] == cold["logits_digest"]
 
-    with open(pages[2], "r+b") as f:                      # now one corrupt page
-        f.seek(-1, os.SEEK_END)
-        last = f.read(1)
-        f.seek(-1, os.SEEK_END)
-        f.write(bytes([last[0] ^ 0xFF]))
-    before[pages[2]] = pages[2].read_bytes()
+    with open(pack, "r+b") as f:                          # now a corrupt page in it
+        f.seek(pagefile.HEADER_BYTES + 10)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    before[pack] = pack.read_bytes()
     missed = _run_read_only(store, common)
     lines = missed.stderr.strip().splitlines()
-    assert len(lines) == 2 and "skipped corrupt page" in lines[1]
+    assert len(lines) == 2 and "skipped corrupt pack" in lines[1]
     result = json.loads(missed.stdout)
     assert result["hit_tokens"] < 5 * 64 and result["logits_digest"] == cold["logits_digest"]
     assert {p: p.read_bytes() for p in namespace.rglob("*") if p.is_file()} == before

@@ -38,6 +38,9 @@ class SecondaryTier(ABC):
     def submit_writes(self, items: Sequence[WriteItem]) -> list[Future]:
         """Write pages in the background; the buffers stay valid until the futures finish."""
 
+    def flush(self) -> None:  # noqa: B027 - optional: most tiers hold nothing back
+        """A natural end of a batch (a request finished): write what is being held back."""
+
     @abstractmethod
     def close(self) -> None:
         """Finish queued work and release files, threads and connections."""

@@ -1,10 +1,13 @@
-"""The persistent filesystem tier: one self-checking file per (group, key).
+"""The persistent filesystem tier: self-checking pages in page files and pack files.
 
-``root/<fingerprint>/g<group>/<2 hex>/<key hex>.blk``; writes go to a temp file that is
-renamed into place, so a reader never sees a partial page, also across processes and
-after ``kill -9``. Files that fail verification are quarantined and counted, never served.
-A store this process cannot write (a read-only mount, another user's files) is served
-read-only: what verifies is a hit, the rest a miss, and nothing is changed on disk.
+A large page has a file of its own, ``root/<fingerprint>/g<group>/<2 hex>/<key hex>.blk``.
+Small pages (up to ``PACK_MAX_PAGE``) written close together share a pack file,
+``root/<fingerprint>/packs/<id>.pack`` (``packfile``), so a restore reads them in a few
+large requests instead of one small request per page. Every file is written under a temp
+name and renamed into place, so a reader never sees a partial page, also across processes
+and after ``kill -9``. Files that fail verification are quarantined and counted, never
+served. A store this process cannot write (a read-only mount, another user's files) is
+served read-only: what verifies is a hit, the rest a miss, and nothing is changed on disk.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import numpy as np
 from hybridkv.core.errors import HybridKVError
 from hybridkv.core.layout import Layout
 from hybridkv.ram.regions import process_start_time
-from hybridkv.tiers import pagefile
+from hybridkv.tiers import packfile, pagefile
 from hybridkv.tiers.base import ReadItem, SecondaryTier, register_tier
 from hybridkv.tiers.io_queue import READ, WRITE, IOQueue, fan_out
 from hybridkv.tiers.store_dirs import StoreDirs
@@ -40,6 +43,28 @@ log = logging.getLogger(__name__)
 ALIGN = 4096
 MANIFEST = "manifest.json"
 QUARANTINE = "quarantine"
+PACKS = "packs"
+PACK_MAX_PAGE = 1 << 20     # pages up to this size are packed; larger ones read at disk speed alone
+PACK_BYTES = 8 << 20        # a pack is written once its pages reach this size,
+PACK_LINGER_S = 0.2         # or this long after its first page, or at a flush (a request ended)
+RUN_BYTES = 4 << 20         # the largest read of adjacent packed pages in one request
+
+
+class Pack:
+    """A pack file as the index knows it: its size on disk and the pages still served from it.
+
+    A page stored again elsewhere leaves its old pack. A pack left with no page is removed at
+    once if this process wrote it; one another process wrote may still serve that process,
+    so it stays until the quota needs room, and goes first then."""
+
+    __slots__ = ("name", "nbytes", "live", "mine")
+
+    def __init__(self, name: str, nbytes: int, mine: bool = False):
+        self.name, self.nbytes, self.live, self.mine = name, nbytes, set(), mine
+
+
+# An index entry: the bytes of a page file, or the pack and offset of a packed page.
+Where = int | tuple[Pack, int]
 
 
 def probe_direct_io(directory: Path) -> bool:
@@ -170,10 +195,20 @@ class FilesystemTier(SecondaryTier):
                         self.root, e.strerror)
         self.direct = (not self.read_only and probe_direct_io(self.namespace)) if direct is None else direct
         self._lock = threading.Lock()
-        self._index: OrderedDict[bytes, int] = OrderedDict()   # ident -> file bytes, LRU first
+        self._index: OrderedDict[bytes, Where] = OrderedDict()   # ident -> where, LRU first
         self._bytes = 0
+        self._packs: dict[str, Pack] = {}
+        self._idle: dict[str, Pack] = {}           # packs serving no page here, oldest first
+        self._packs_dir = f"{self._namespace_str}/{PACKS}"
+        self._packs_listed: int | None = None      # mtime of the packs directory we last listed
+        self._pending: list[tuple[int, bytes, object, Future]] = []   # small pages to pack
+        self._pending_bytes = 0
+        self._flush_asked = False
+        self._pending_ready = threading.Condition()
         self._sizes: dict[int, int] = {}           # one int object per distinct file size
         self._gone: set[bytes] | None = set()      # pages dropped while the scan runs; None after
+        self._fresh: set[bytes] | None = set()     # pages indexed while it runs, not by it
+        self.packs_indexed = threading.Event()     # the scan has indexed the packs (its first part)
         self.scanned = threading.Event()           # the start-up scan has indexed the store
         self._closing = False
         self._start = process_start_time(os.getpid())
@@ -206,6 +241,8 @@ class FilesystemTier(SecondaryTier):
         controls is refused at open, not discovered later by the background scan."""
         if not self.namespace.is_dir():
             return []
+        if os.path.lexists(self._packs_dir):
+            self.dirs.check(Path(self._packs_dir))
         found = []
         for gdir in self.namespace.glob("g*"):
             try:
@@ -226,17 +263,33 @@ class FilesystemTier(SecondaryTier):
         a key the index lacks costs one ``stat`` (``contains``) and the quota waits.
         """
         try:
-            self._index_pages(page_dirs)
+            packed = self._index_packs()
+            self._index_pages(page_dirs, packed)
         except Exception:   # the files stay the truth: lookups fall back to stat
             log.exception("filesystem tier: the start-up scan of %s failed", self.namespace)
             with self._lock:
-                self._gone = None
+                self._gone = self._fresh = None
+        self.packs_indexed.set()
         if not self._closing:
             self._enforce_quota(keep=None)
             self.scanned.set()
 
-    def _index_pages(self, page_dirs: list[tuple[int, list[Path]]]) -> None:
-        mtimes, idents, sizes = array("q"), [], array("q")
+    def _index_packs(self) -> list[tuple[Pack, list[packfile.PackEntry], int]]:
+        """First the packs (one table read each, few files): their pages are served from
+        then on, while the page files are still being walked."""
+        packed = self._scan_packs()
+        with self._lock:
+            dead = []
+            for pack, table, _ in packed:
+                dead += self._add_pack(pack, table, newest=False, fresh=False)
+        self._remove(dead)
+        self.packs_indexed.set()
+        return packed
+
+    def _index_pages(self, page_dirs: list[tuple[int, list[Path]]],
+                     packed: list[tuple[Pack, list[packfile.PackEntry], int]]) -> None:
+        """Order every page, in files and packs, by mtime (least recent first)."""
+        mtimes, idents, wheres = array("q"), [], []
         for group, subs in page_dirs:
             for sub in subs:
                 if self._closing:
@@ -244,27 +297,34 @@ class FilesystemTier(SecondaryTier):
                 try:
                     with os.scandir(sub) as entries:
                         for entry in entries:
-                            self._scan_entry(entry, group, mtimes, idents, sizes)
+                            self._scan_entry(entry, group, mtimes, idents, wheres)
                 except OSError:
                     continue
+        with self._lock:                       # not those phase one found wholly stored elsewhere
+            packed = [found for found in packed if self._packs.get(found[0].name) is found[0]]
+        for pack, table, mtime in packed:
+            for group, key, offset in table:
+                mtimes.append(mtime)
+                idents.append(_ident(group, key))
+                wheres.append((pack, offset))
         order = np.argsort(np.frombuffer(mtimes, np.int64), kind="stable") if idents else []
-        scanned = OrderedDict((idents[i], self._size(sizes[i])) for i in order)
-        total = sum(sizes)
+        scanned: OrderedDict[bytes, Where] = OrderedDict()
+        for i in order:                        # a page stored twice: the newest copy serves
+            self._set_entry(scanned, idents[i], wheres[i])
         with self._lock:
             for ident in self._gone:
-                total -= scanned.pop(ident, 0)
-            for ident, size in self._index.items():   # indexed since start-up: the most recent
-                total += size - scanned.pop(ident, 0)
-                scanned[ident] = size
-            self._index, self._bytes, self._gone = scanned, total, None
+                self._drop_entry(scanned, ident)
+            for ident in self._fresh:                 # indexed since start-up: the most recent
+                if ident in self._index:
+                    self._set_entry(scanned, ident, self._index[ident])
+            self._idle = {name: pack for name, pack in self._packs.items() if not pack.live}
+            self._bytes = (sum(w for w in scanned.values() if isinstance(w, int))
+                           + sum(pack.nbytes for pack in self._packs.values()))
+            self._index, self._gone, self._fresh = scanned, None, None
 
-    def _scan_entry(self, entry: os.DirEntry, group: int, mtimes, idents, sizes) -> None:
+    def _scan_entry(self, entry: os.DirEntry, group: int, mtimes, idents, wheres) -> None:
         name = entry.name
-        if name.endswith(".tmp"):
-            if not self.read_only and not _tmp_owner_alive(name):
-                with contextlib.suppress(OSError):
-                    os.unlink(entry.path)
-                    self.stats["orphans_removed"] += 1
+        if self._reclaim_temp(entry):
             return
         if not name.endswith(".blk"):
             return
@@ -276,7 +336,82 @@ class FilesystemTier(SecondaryTier):
         if stat.S_ISREG(st.st_mode):
             mtimes.append(st.st_mtime_ns)
             idents.append(_ident(group, key))
-            sizes.append(st.st_size)
+            wheres.append(self._size(st.st_size))
+
+    def _reclaim_temp(self, entry: os.DirEntry) -> bool:
+        """Is this a temp file? One whose writer is gone is removed."""
+        if not entry.name.endswith(".tmp"):
+            return False
+        if not self.read_only and not _tmp_owner_alive(entry.name):
+            with contextlib.suppress(OSError):
+                os.unlink(entry.path)
+                self.stats["orphans_removed"] += 1
+        return True
+
+    def _scan_packs(self) -> list[tuple[Pack, list[packfile.PackEntry], int]]:
+        """Every pack with its table and mtime; orphaned temp files are removed."""
+        packed = []
+        try:
+            listed = os.stat(self._packs_dir).st_mtime_ns
+            entries = list(os.scandir(self._packs_dir))
+        except OSError:
+            return packed
+        for entry in entries:
+            if self._closing:
+                break
+            if self._reclaim_temp(entry) or not entry.name.endswith(packfile.SUFFIX):
+                continue
+            found = self._open_pack(entry.name)
+            if found is not None:
+                packed.append(found)
+        self._packs_listed = listed
+        return packed
+
+    def _open_pack(self, name: str) -> tuple[Pack, list[packfile.PackEntry], int] | None:
+        """A pack and its table; a pack whose table does not verify is quarantined."""
+        path = f"{self._packs_dir}/{name}"
+        try:
+            fd = open_page(path, os.O_RDONLY)
+            try:
+                st = os.fstat(fd)
+                table = packfile.read_table(fd) if stat.S_ISREG(st.st_mode) else None
+            finally:
+                os.close(fd)
+        except pagefile.CorruptPage as e:
+            self._quarantine_pack(path, e)
+            return None
+        except OSError:
+            return None
+        if table is None:
+            return None
+        return Pack(name, st.st_size), table, st.st_mtime_ns
+
+    def _quarantine_pack(self, path: str, error: Exception) -> bool:
+        moved = not self.read_only and quarantine(self.namespace, Path(path), self.dirs)
+        log.warning("%s corrupt pack %s: %s", "quarantined" if moved else "skipped", path, error)
+        with self._lock:
+            self.stats["corrupt"] += 1
+        return moved
+
+    @staticmethod
+    def _set_entry(index: OrderedDict[bytes, Where], ident: bytes, where: Where) -> Pack | None:
+        """Index ``where`` as the newest copy of a page; returns a pack this emptied."""
+        dead = FilesystemTier._drop_entry(index, ident)
+        index[ident] = where
+        if isinstance(where, tuple):
+            where[0].live.add(ident)
+        return dead
+
+    @staticmethod
+    def _drop_entry(index: OrderedDict[bytes, Where], ident: bytes) -> Pack | None:
+        """Remove a page from ``index``; returns its pack if that pack has no page left."""
+        where = index.pop(ident, None)
+        if isinstance(where, tuple):
+            pack = where[0]
+            pack.live.discard(ident)
+            if not pack.live:
+                return pack
+        return None
 
     def _size(self, nbytes: int) -> int:
         """The one int object for this size: a million index entries share a few."""
@@ -286,35 +421,129 @@ class FilesystemTier(SecondaryTier):
         """Block until the start-up scan has indexed the store (tools, tests)."""
         return self.scanned.wait(timeout)
 
+    # -- the index (callers hold self._lock) ----------------------------------------------
+    def _put(self, ident: bytes, where: Where, fresh: bool = True) -> list[str]:
+        """Index the newest copy of a page (most recent); returns files no page uses now.
+        ``fresh``: not put by the start-up scan, so it outranks what the scan finds."""
+        if fresh and self._fresh is not None:
+            self._fresh.add(ident)
+        old = self._index.get(ident)
+        if isinstance(old, int):
+            self._bytes -= old
+        dead = self._set_entry(self._index, ident, where)
+        if isinstance(where, int):
+            self._bytes += where
+        return self._bury(dead)
+
+    def _drop(self, ident: bytes) -> list[str]:
+        old = self._index.get(ident)
+        if isinstance(old, int):
+            self._bytes -= old
+        return self._bury(self._drop_entry(self._index, ident))
+
+    def _bury(self, pack: Pack | None, gone: bool = False) -> list[str]:
+        """A pack no page is served from: ours (or one ``gone`` already) stops counting and
+        its path is returned for removal; another process's waits in ``_idle``."""
+        if pack is None or pack.live or self._packs.get(pack.name) is not pack:
+            return []
+        if not (gone or pack.mine):
+            self._idle[pack.name] = pack
+            return []
+        self._idle.pop(pack.name, None)
+        del self._packs[pack.name]
+        self._bytes -= pack.nbytes
+        return [f"{self._packs_dir}/{pack.name}"]
+
+    def _add_pack(self, pack: Pack, table: list[packfile.PackEntry], newest: bool,
+                  fresh: bool = True) -> list[str]:
+        """Index a pack's pages: all of them (``newest``, we just wrote it) or those the
+        index lacks (another process wrote it)."""
+        self._packs[pack.name] = pack
+        self._bytes += pack.nbytes
+        dead = []
+        for group, key, offset in table:
+            ident = _ident(group, key)
+            if newest or ident not in self._index:
+                self._bad.discard(ident)
+                dead += self._put(ident, (pack, offset), fresh)
+        return dead + self._bury(pack)
+
+    def _remove(self, paths: list[str]) -> None:
+        for path in paths:
+            if not self.read_only:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+
     # -- lookups --------------------------------------------------------------------------
     def contains(self, group: int, key: bytes) -> bool:
-        """From the index; a file another process wrote since our scan is picked up too."""
-        ident = _ident(group, key)
+        """From the index; a page another process wrote since our scan is picked up too."""
+        return self.contains_many(group, [key])[0]
+
+    def contains_many(self, group: int, keys) -> list[bool]:
+        idents = [_ident(group, k) for k in keys]
         with self._lock:
-            if ident in self._index:
-                return True
-            if ident in self._bad:
-                return False
-            self.stats["disk_lookups"] += 1       # not indexed: maybe another process wrote it
-        size = regular_size(page_file(self._namespace_str, group, key))
-        if size is None:
-            return False
+            found = [i in self._index for i in idents]
+            unknown = [n for n, ok in enumerate(found) if not ok and idents[n] not in self._bad]
+            self.stats["disk_lookups"] += len(unknown)   # maybe another process wrote them
+        for n in unknown:
+            size = regular_size(page_file(self._namespace_str, group, keys[n]))
+            if size is not None:
+                with self._lock:
+                    if idents[n] not in self._index:
+                        self._put(idents[n], self._size(size))
+                found[n] = True
+        if not all(found):
+            self.packs_indexed.wait()        # the scan reads the pack tables first: moments
+            self._list_new_packs()
+            with self._lock:
+                found = [ok or i in self._index for i, ok in zip(idents, found, strict=True)]
+        return found
+
+    def _list_new_packs(self) -> None:
+        """Index packs other processes wrote since we last listed: one ``stat`` when the
+        packs directory is unchanged."""
+        try:
+            listed = os.stat(self._packs_dir).st_mtime_ns
+            if listed == self._packs_listed:
+                return
+            names = [e.name for e in os.scandir(self._packs_dir) if e.name.endswith(packfile.SUFFIX)]
+        except OSError:
+            return
+        self._packs_listed = listed
+        for name in names:
+            if name in self._packs:
+                continue
+            found = self._open_pack(name)
+            if found is not None:
+                pack, table, _ = found
+                with self._lock:
+                    dead = [] if name in self._packs else self._add_pack(pack, table, newest=False)
+                self._remove(dead)
+
+    def locate(self, group: int, key: bytes) -> tuple[str, int] | None:
+        """The file holding a page and the offset of its header there (tools, tests)."""
+        if not self.contains(group, key):
+            return None
         with self._lock:
-            if ident not in self._index:
-                self._index[ident] = self._size(size)
-                self._bytes += size
-        return True
+            where = self._index.get(_ident(group, key))
+        if isinstance(where, tuple):
+            return f"{self._packs_dir}/{where[0].name}", where[1]
+        return page_file(self._namespace_str, group, key), 0
 
     def indexed_pages(self) -> int:
         return len(self._index)
 
     def total_bytes(self) -> int:
-        """Bytes of the indexed pages (while the start-up scan runs: those indexed so far)."""
+        """Bytes of the indexed files (while the start-up scan runs: those indexed so far)."""
         return self._bytes
 
     # -- reads ----------------------------------------------------------------------------
     def read(self, group: int, key: bytes, out: np.ndarray) -> bool:
         """Fill ``out`` (one page, uint8) from disk; False (and quarantine) if anything is off."""
+        with self._lock:
+            where = self._index.get(_ident(group, key))
+        if isinstance(where, tuple):
+            return self.read_run(where[0], [(where[1], (group, key, out))])[0]
         path = page_file(self._namespace_str, group, key)
         try:
             if self.direct:
@@ -340,28 +569,77 @@ class FilesystemTier(SecondaryTier):
             with self._lock:
                 self.stats["read_errors"] += 1
             return False
-        ident = _ident(group, key)
-        with self._lock:
-            self.stats["reads"] += 1
-            self.stats["read_bytes"] += out.nbytes
-            if ident in self._index:
-                self._index.move_to_end(ident)
+        self._served([(group, key, out)])
         return True
+
+    def _served(self, items: Sequence[ReadItem]) -> None:
+        with self._lock:
+            self.stats["reads"] += len(items)
+            for group, key, out in items:
+                self.stats["read_bytes"] += out.nbytes
+                ident = _ident(group, key)
+                if ident in self._index:
+                    self._index.move_to_end(ident)
 
     def read_many(self, items: Sequence[ReadItem]) -> list[bool]:
         """Read pages one after another on this thread, then refresh their mtimes in the
         background (recency survives a restart; the inode update stays off the read path)."""
         results = [self.read(*item) for item in items]
-        hits = [(group, key) for (group, key, _), ok in zip(items, results, strict=True) if ok]
-        if hits and not self.read_only:
-            with contextlib.suppress(RuntimeError):   # closing: recency is not worth a failure
-                self._io.submit(WRITE, self._refresh_mtimes, hits)
+        hits = [page_file(self._namespace_str, group, key)
+                for (group, key, _), ok in zip(items, results, strict=True) if ok]
+        self._refresh_mtimes(hits)
         return results
 
-    def _refresh_mtimes(self, pages: list[tuple[int, bytes]]) -> None:
-        for group, key in pages:
-            with contextlib.suppress(OSError):
-                os.utime(page_file(self._namespace_str, group, key))
+    def read_run(self, pack: Pack, pages: list[tuple[int, ReadItem]]) -> list[bool]:
+        """Read adjacent pages of a pack (offset, item), in offset order, in one request."""
+        start = pages[0][0]
+        end = pages[-1][0] + packfile.page_span(pages[-1][1][2].nbytes)
+        path = f"{self._packs_dir}/{pack.name}"
+        buf = self._aligned(end - start)
+        try:
+            fd = open_page(path, os.O_RDONLY | (os.O_DIRECT if self.direct else 0))
+            try:
+                with memoryview(buf) as view:
+                    got = os.preadv(fd, [view[: end - start]], start)
+            finally:
+                os.close(fd)
+        except FileNotFoundError:            # another process evicted it
+            self._forget_pack(pack)
+            return [False] * len(pages)
+        except (OSError, pagefile.CorruptPage) as e:
+            log.warning("cannot read pack %s: %s", path, e)
+            with self._lock:
+                self.stats["read_errors"] += 1
+            return [False] * len(pages)
+        results, damage = [], None
+        with memoryview(buf) as view:
+            for offset, (group, key, out) in pages:
+                at = offset - start
+                try:
+                    _check_size(min(got - at, pagefile.HEADER_BYTES + out.nbytes), pagefile.HEADER_BYTES + out.nbytes)
+                    body = view[at + pagefile.HEADER_BYTES: at + pagefile.HEADER_BYTES + out.nbytes]
+                    pagefile.verify(bytes(view[at: at + pagefile.HEADER_BYTES]), body, group, key)
+                    np.copyto(out, np.frombuffer(body, np.uint8))
+                    results.append(True)
+                except pagefile.CorruptPage as e:
+                    damage = damage or e
+                    results.append(False)
+        if damage is not None:               # never serve from a damaged file again
+            if not self._quarantine_pack(path, damage):
+                with self._lock:
+                    self._bad.update(pack.live)
+            self._forget_pack(pack)
+        self._served([item for (_, item), ok in zip(pages, results, strict=True) if ok])
+        if any(results):
+            self._refresh_mtimes([path])
+        return results
+
+    def _refresh_mtimes(self, paths: list[str]) -> None:
+        """Touch the files read, in the background: recency survives a restart, and the inode
+        update stays off the read path."""
+        if paths and not self.read_only:
+            with contextlib.suppress(RuntimeError):   # closing: recency is not worth a failure
+                self._io.submit(WRITE, _touch, paths)
 
     def _read_buffered(self, path: str, group: int, key: bytes, out: np.ndarray) -> None:
         header, spare = bytearray(pagefile.HEADER_BYTES), bytearray(1)
@@ -390,49 +668,50 @@ class FilesystemTier(SecondaryTier):
         """This thread's page-aligned buffer, grown as needed (fresh mmaps would page-fault)."""
         buf = getattr(self._local, "buf", None)
         if buf is None or len(buf) < nbytes:
-            buf = mmap.mmap(-1, -(-nbytes // ALIGN) * ALIGN)
+            buf = mmap.mmap(-1, packfile.aligned(nbytes))
             self._local.buf = buf
         return buf
 
     def submit_reads(self, items: Sequence[ReadItem]) -> list[Future]:
-        """One job per I/O thread, each reading an interleaved share of the pages, so every
-        thread keeps a read in flight without a queue round trip per page; reads jump ahead
-        of queued writes."""
-        shares = min(self._io.threads, len(items))
+        """Packed pages are read in runs of adjacent pages, one request per run; page files
+        in one job per I/O thread, each reading an interleaved share, so every thread keeps
+        a read in flight without a queue round trip per page. Reads jump ahead of writes."""
         futures: list[Future] = [None] * len(items)  # type: ignore[list-item]
+        by_pack: dict[Pack, list[tuple[int, int]]] = {}
+        files = []
+        with self._lock:
+            for n, (group, key, _) in enumerate(items):
+                where = self._index.get(_ident(group, key))
+                if isinstance(where, tuple):
+                    by_pack.setdefault(where[0], []).append((where[1], n))
+                else:
+                    files.append(n)
+        for pack, located in by_pack.items():
+            for run in _runs(sorted(located), items):
+                batch = self._io.submit(READ, self.read_run, pack, [(at, items[n]) for at, n in run])
+                for (_, n), future in zip(run, fan_out(batch, len(run)), strict=True):
+                    futures[n] = future
+        shares = min(self._io.threads, len(files))
         for i in range(shares):
-            share = items[i::shares]
-            batch = self._io.submit(READ, self.read_many, share)
-            futures[i::shares] = fan_out(batch, len(share))
+            share = files[i::shares]
+            batch = self._io.submit(READ, self.read_many, [items[n] for n in share])
+            for n, future in zip(share, fan_out(batch, len(share)), strict=True):
+                futures[n] = future
         return futures
 
     # -- writes ---------------------------------------------------------------------------
     def write(self, group: int, key: bytes, payload) -> bool:
-        """Write one page atomically (temp file + rename); evict LRU files past the quota."""
+        """Write one page file atomically (temp file + rename); evict LRU files past the quota."""
         if self.read_only:
             return False
         path = page_path(self.namespace, group, key)
         header = pagefile.make_header(group, key, payload)
-        tmp = path.with_name(f".{path.stem}.{os.getpid()}.{self._start}.{threading.get_ident()}.tmp")
+        tmp = path.with_name(f".{path.stem}.{self._writer_tag()}.tmp")
         try:
             self.dirs.ensure(path.parent)
-            if self.direct:
-                self._write_direct(tmp, header, payload)
-            else:
-                fd = self.dirs.create_file(tmp)
-                try:
-                    write_all(fd, [header, payload])
-                    if self.fsync:
-                        os.fsync(fd)
-                finally:
-                    os.close(fd)
+            self._write_file(tmp, [header, payload])
             os.replace(tmp, path)
-            if self.fsync:
-                dir_fd = os.open(path.parent, os.O_RDONLY)
-                try:
-                    os.fsync(dir_fd)
-                finally:
-                    os.close(dir_fd)
+            self._sync_dir(path.parent)
         except (OSError, HybridKVError) as e:   # HybridKVError: a directory is not safe to use
             with contextlib.suppress(OSError):
                 tmp.unlink()
@@ -444,51 +723,174 @@ class FilesystemTier(SecondaryTier):
             self._bad.discard(ident)
             if self._gone is not None:
                 self._gone.discard(ident)
-            old = self._index.pop(ident, None)
-            self._bytes += size - (old or 0)
-            self._index[ident] = self._size(size)
+            dead = self._put(ident, self._size(size))
             self.stats["writes"] += 1
             self.stats["write_bytes"] += size
+        self._remove(dead)
         self._enforce_quota(keep=ident)
         return True
 
-    def _write_direct(self, tmp: Path, header: bytes, payload) -> None:
-        data = memoryview(payload).cast("B")
-        want = len(header) + len(data)
-        padded = -(-want // ALIGN) * ALIGN
+    def write_pack(self, pages: list[tuple[int, bytes, object]]) -> bool:
+        """Write pages as one pack file atomically; evict LRU files past the quota."""
+        if self.read_only:
+            return False
+        buffers, table = packfile.encode(pages)
+        name = f"{secrets.token_hex(8)}{packfile.SUFFIX}"
+        path = Path(self._packs_dir) / name
+        tmp = path.with_name(f".{name}.{self._writer_tag()}.tmp")
+        try:
+            self.dirs.ensure(path.parent)
+            self._write_file(tmp, buffers)
+            os.replace(tmp, path)
+            self._sync_dir(path.parent)
+        except (OSError, HybridKVError) as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            self._write_failed(path, e)
+            return False
+        pack = Pack(name, sum(len(memoryview(b).cast("B")) for b in buffers), mine=True)
+        with self._lock:
+            if self._gone is not None:
+                self._gone.difference_update(_ident(g, k) for g, k, _ in table)
+            dead = self._add_pack(pack, table, newest=True)
+            self.stats["writes"] += len(pages)
+            self.stats["write_bytes"] += pack.nbytes
+        self._remove(dead)
+        self._enforce_quota(keep=pack)
+        return True
+
+    def _writer_tag(self) -> str:
+        """Temp names carry their writer (pid, its start time, thread) so the scan can tell
+        a live writer's file from an orphan."""
+        return f"{os.getpid()}.{self._start}.{threading.get_ident()}"
+
+    def _write_file(self, tmp: Path, buffers: list) -> None:
+        """Create ``tmp`` with the buffers' bytes; through O_DIRECT where the store takes it."""
+        if not self.direct:
+            fd = self.dirs.create_file(tmp)
+            try:
+                write_all(fd, buffers)
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            return
+        views = [memoryview(b).cast("B") for b in buffers]
+        want = sum(len(v) for v in views)
         buf = self._aligned(want)
-        buf[: len(header)] = header
-        buf[len(header):want] = data
+        at = 0
+        for view in views:
+            buf[at: at + len(view)] = view
+            at += len(view)
         fd = self.dirs.create_file(tmp, os.O_DIRECT)
         try:
-            with memoryview(buf) as view:
-                write_all(fd, [view[:padded]])
+            with memoryview(buf) as whole:
+                write_all(fd, [whole[: packfile.aligned(want)]])
             os.ftruncate(fd, want)
             if self.fsync:
                 os.fsync(fd)
         finally:
             os.close(fd)
 
-    def submit_writes(self, items: list[tuple[int, bytes, object]]) -> list[Future]:
-        return [self._io.submit(WRITE, self.write, *item) for item in items]
+    def _sync_dir(self, directory: Path) -> None:
+        if self.fsync:
+            dir_fd = os.open(directory, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
 
-    def _enforce_quota(self, keep: bytes | None) -> None:
-        """Evict from the LRU end down to the quota; not before the scan has ordered the store."""
+    def submit_writes(self, items: Sequence[tuple[int, bytes, object]]) -> list[Future]:
+        """Large pages are written to files of their own at once; small ones wait (at most
+        ``PACK_LINGER_S``, or until ``flush``) to share a pack with the pages after them."""
+        futures = []
+        held = []
+        for group, key, payload in items:
+            if self.read_only or memoryview(payload).nbytes > PACK_MAX_PAGE:
+                futures.append(self._io.submit(WRITE, self.write, group, key, payload))
+            else:
+                future: Future = Future()
+                held.append((group, key, payload, future))
+                futures.append(future)
+        if held:
+            with self._pending_ready:
+                first = not self._pending
+                self._pending += held
+                self._pending_bytes += sum(memoryview(p).nbytes for _, _, p, _ in held)
+                self._pending_ready.notify_all()
+            if first:
+                self._io.submit(WRITE, self._write_pending)
+        return futures
+
+    def flush(self) -> None:
+        """Write the held small pages now (a request ended: its pages are complete)."""
+        with self._pending_ready:
+            self._flush_asked = bool(self._pending)
+            self._pending_ready.notify_all()
+
+    def _write_pending(self) -> None:
+        """Wait until the held pages fill a pack, a flush or the linger time, then write them
+        as packs of at most ``PACK_BYTES`` (the first here, the rest on other I/O threads)."""
+        deadline = time.monotonic() + PACK_LINGER_S
+        with self._pending_ready:
+            self._pending_ready.wait_for(
+                lambda: self._pending_bytes >= PACK_BYTES or self._flush_asked or self._closing,
+                timeout=max(0.0, deadline - time.monotonic()))
+            held, self._pending, self._pending_bytes, self._flush_asked = self._pending, [], 0, False
+        if not held:
+            return
+        packs, size = [[]], 0
+        for item in held:
+            if size >= PACK_BYTES:
+                packs.append([])
+                size = 0
+            packs[-1].append(item)
+            size += memoryview(item[2]).nbytes
+        for pack in packs[1:]:
+            self._io.submit(WRITE, self._write_held, pack)
+        self._write_held(packs[0])
+
+    def _write_held(self, held: list[tuple[int, bytes, object, Future]]) -> None:
+        try:
+            ok = self.write_pack([(g, k, p) for g, k, p, _ in held])
+        except BaseException as e:          # whoever waits on a page hears of it
+            for *_, future in held:
+                future.set_exception(e)
+            raise
+        for *_, future in held:
+            future.set_result(ok)
+
+    def _enforce_quota(self, keep: bytes | Pack | None) -> None:
+        """Evict from the LRU end down to the quota (a packed page takes its whole pack along);
+        the file just written stays, even alone over quota. Not before the scan has ordered
+        the store."""
         if self.max_bytes is None or self._gone is not None:
             return
-        victims = []
+        victims, kept, evicted = [], [], 0
         with self._lock:               # O(evicted) per write: the LRU end of the index, no scan
-            while self._bytes > self.max_bytes and len(self._index) > 1:
-                ident, size = self._index.popitem(last=False)
-                if ident == keep:      # the page just written stays, even alone over quota
-                    self._index[ident] = size
+            while self._bytes > self.max_bytes and self._idle:
+                victims += self._bury(self._idle.pop(next(iter(self._idle))), gone=True)
+            while self._bytes > self.max_bytes and self._index:
+                ident, where = next(iter(self._index.items()))
+                if ident == keep or (isinstance(where, tuple) and where[0] is keep):
+                    kept.append((ident, self._index.pop(ident)))
                     continue
-                self._bytes -= size
-                victims.append(ident)
-            self.stats["evictions"] += len(victims)
-        for ident in victims:
+                if isinstance(where, tuple):
+                    pack = where[0]
+                    evicted += len(pack.live)
+                    for other in list(pack.live):
+                        self._drop_entry(self._index, other)
+                    victims += self._bury(pack, gone=True)
+                else:
+                    evicted += 1
+                    self._drop(ident)
+                    victims.append(page_file(self._namespace_str, *_group_key(ident)))
+            for ident, where in kept:
+                self._index[ident] = where
+            self.stats["evictions"] += evicted
+        for path in victims:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(page_file(self._namespace_str, *_group_key(ident)))
+                os.unlink(path)
 
     def _write_failed(self, path: Path, error: OSError | HybridKVError) -> None:
         """One log line per kind of failure, not one per page; a store gone read-only stays so."""
@@ -506,20 +908,48 @@ class FilesystemTier(SecondaryTier):
     def _forget(self, group: int, key: bytes) -> None:
         ident = _ident(group, key)
         with self._lock:
-            size = self._index.pop(ident, None)
-            if size is not None:
-                self._bytes -= size
+            dead = self._drop(ident)
             if self._gone is not None:
                 self._gone.add(ident)
+        self._remove(dead)
+
+    def _forget_pack(self, pack: Pack) -> None:
+        """A pack is gone or damaged: none of its pages is served from it again."""
+        with self._lock:
+            for ident in list(pack.live):
+                self._drop_entry(self._index, ident)
+                if self._gone is not None:
+                    self._gone.add(ident)
+            self._bury(pack, gone=True)
 
     def close(self) -> None:
-        """Drain queued writes so a clean exit loses nothing acknowledged."""
+        """Write the held pages and drain queued writes: a clean exit loses nothing acknowledged."""
         self._closing = True
+        with self._pending_ready:
+            self._pending_ready.notify_all()
         self._scanner.join()
         self._io.close()
 
-    def contains_many(self, group: int, keys) -> list[bool]:
-        return [self.contains(group, k) for k in keys]
+
+def _runs(located: list[tuple[int, int]], items: Sequence[ReadItem]) -> list[list[tuple[int, int]]]:
+    """Split (offset, item index) pairs, in offset order, into runs of adjacent pages of at
+    most ``RUN_BYTES`` each."""
+    runs: list[list[tuple[int, int]]] = []
+    end = size = -1
+    for offset, n in located:
+        span = packfile.page_span(items[n][2].nbytes)
+        if offset != end or size + span > RUN_BYTES:
+            runs.append([])
+            size = 0
+        runs[-1].append((offset, n))
+        end, size = offset + span, size + span
+    return runs
+
+
+def _touch(paths: list[str]) -> None:
+    for path in paths:
+        with contextlib.suppress(OSError):
+            os.utime(path)
 
 
 def open_page(path: str | Path, flags: int) -> int:

@@ -77,6 +77,7 @@ def _writer(store: str, seed: str, ack_path: str) -> None:
     while True:
         batch = [(g, _key(rng.randrange(KEYS))) for g in (0, 1) for _ in range(4)]
         futures = tier.submit_writes([(g, k, expected_page(g, k)) for g, k in batch])
+        tier.flush()                            # the batch is complete: write it now
         done = [f"{g} {k.hex()}\n" for (g, k), f in zip(batch, futures, strict=True) if f.result()]
         if done:
             os.write(ack, "".join(done).encode())
