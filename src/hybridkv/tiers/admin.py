@@ -1,4 +1,4 @@
-"""Offline care of a filesystem store: ``inspect``, ``verify`` and ``gc``.
+"""Offline care of a filesystem store: ``inspect``, ``verify`` and ``gc``, of page files and packs.
 
 These work on any store directory without knowing the model: namespaces are found by
 their manifest, groups and keys by their paths, and every page checks itself. They apply
@@ -16,8 +16,15 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from hybridkv.tiers import pagefile
-from hybridkv.tiers.filesystem import MANIFEST, QUARANTINE, open_page, quarantine, regular_stat
+from hybridkv.tiers import packfile, pagefile
+from hybridkv.tiers.filesystem import (
+    MANIFEST,
+    PACKS,
+    QUARANTINE,
+    open_page,
+    quarantine,
+    regular_stat,
+)
 from hybridkv.tiers.store_dirs import StoreDirs, existing_store_mode
 
 
@@ -66,6 +73,31 @@ def _pages(namespace: Path, dirs: StoreDirs) -> Iterator[tuple[int, Path, os.sta
                 yield group, path, st
 
 
+def _packs(namespace: Path, dirs: StoreDirs) -> Iterator[tuple[Path, os.stat_result]]:
+    """Regular pack files with their own stat, in the checked packs directory."""
+    pdir = namespace / PACKS
+    if not os.path.lexists(pdir):
+        return
+    dirs.check(pdir)
+    for path in sorted(pdir.glob(f"*{packfile.SUFFIX}")):
+        st = regular_stat(path)
+        if st is not None:
+            yield path, st
+
+
+def _read_pack(path: Path) -> tuple[bytes, list[packfile.PackEntry]]:
+    with os.fdopen(open_page(path, os.O_RDONLY), "rb") as f:
+        blob = f.read()
+    return blob, packfile.parse_table(blob, len(blob))
+
+
+def _files(namespace: Path, dirs: StoreDirs) -> Iterator[tuple[Path, os.stat_result]]:
+    """Every page file and pack file: the units the store removes."""
+    for _, path, st in _pages(namespace, dirs):
+        yield path, st
+    yield from _packs(namespace, dirs)
+
+
 def inspect_store(store: str | Path) -> dict:
     dirs, namespaces = open_store(store)
     out = {"total_bytes": 0, "namespaces": []}
@@ -77,28 +109,44 @@ def inspect_store(store: str | Path) -> dict:
                                           "files": 0, "bytes": 0})
             g["files"] += 1
             g["bytes"] += st.st_size
+        packs = {"files": 0, "bytes": 0, "pages": 0}
+        for path, st in _packs(ns, dirs):
+            packs["files"] += 1
+            packs["bytes"] += st.st_size
+            try:
+                for group, _, _ in _read_pack(path)[1]:
+                    packs["pages"] += 1
+                    g = groups.setdefault(group, {"id": group, "kind": kinds.get(group, "unknown"),
+                                                  "files": 0, "bytes": 0})
+                    g["packed_pages"] = g.get("packed_pages", 0) + 1
+            except (OSError, pagefile.CorruptPage):
+                continue                     # verify reports and quarantines it
         qdir = ns / QUARANTINE
         quarantined = sum(1 for _ in qdir.iterdir()) if os.path.lexists(qdir) and _is_dir(qdir) else 0
-        total = sum(g["bytes"] for g in groups.values())
+        total = sum(g["bytes"] for g in groups.values()) + packs["bytes"]
         out["total_bytes"] += total
         out["namespaces"].append({
             "fingerprint": ns.name, "model": manifest.get("model"), "total_bytes": total,
-            "groups": [groups[k] for k in sorted(groups)], "quarantined": quarantined,
+            "groups": [groups[k] for k in sorted(groups)], "packs": packs, "quarantined": quarantined,
         })
     return out
 
 
 def verify_store(store: str | Path, progress: bool = True) -> dict:
-    """Check every page file; corrupt ones are moved to quarantine."""
+    """Check every page file and pack (each of its pages); corrupt files are quarantined."""
     dirs, namespaces = open_store(store)
-    pages = [(ns, g, p) for ns, _ in namespaces for g, p, _ in _pages(ns, dirs)]
+    files = [(ns, g, p) for ns, _ in namespaces for g, p, _ in _pages(ns, dirs)]
+    files += [(ns, None, p) for ns, _ in namespaces for p, _ in _packs(ns, dirs)]
     result = {"checked": 0, "ok": 0, "corrupt": 0, "quarantined": 0}
-    with progress_bar(len(pages), "verifying", progress) as bar:
-        for ns, group, path in pages:
+    with progress_bar(len(files), "verifying", progress) as bar:
+        for ns, group, path in files:
             result["checked"] += 1
             try:
-                with os.fdopen(open_page(path, os.O_RDONLY), "rb") as f:
-                    pagefile.decode(f.read(), group, bytes.fromhex(path.stem))
+                if group is None:
+                    _verify_pack(path)
+                else:
+                    with os.fdopen(open_page(path, os.O_RDONLY), "rb") as f:
+                        pagefile.decode(f.read(), group, bytes.fromhex(path.stem))
                 result["ok"] += 1
             except (OSError, ValueError, pagefile.CorruptPage):
                 result["corrupt"] += 1
@@ -107,12 +155,21 @@ def verify_store(store: str | Path, progress: bool = True) -> dict:
     return result
 
 
+def _verify_pack(path: Path) -> None:
+    """Raise CorruptPage unless the pack's table and every page in it verify."""
+    blob, table = _read_pack(path)
+    for group, key, offset in table:
+        length = pagefile.parse_header(blob[offset: offset + pagefile.HEADER_BYTES], group, key)
+        pagefile.decode(blob[offset: offset + pagefile.HEADER_BYTES + length], group, key)
+
+
 def gc_store(store: str | Path, max_bytes: int, progress: bool = True) -> dict:
-    """Remove least recently used page files (by mtime) until the store fits ``max_bytes``."""
+    """Remove least recently used files (page files and packs, by mtime) until the store
+    fits ``max_bytes``."""
     dirs, namespaces = open_store(store)
     files = []
     for ns, _ in namespaces:
-        for _, path, st in _pages(ns, dirs):
+        for path, st in _files(ns, dirs):
             files.append((st.st_mtime_ns, st.st_size, path))
     files.sort()
     total = sum(size for _, size, _ in files)

@@ -213,7 +213,7 @@ class FilesystemTier(SecondaryTier):
         self._closing = False
         self._start = process_start_time(os.getpid())
         self._local = threading.local()            # per-thread aligned buffer for O_DIRECT
-        self.stats = {"reads": 0, "read_bytes": 0, "writes": 0, "write_bytes": 0,
+        self.stats = {"reads": 0, "read_bytes": 0, "read_requests": 0, "writes": 0, "write_bytes": 0,
                       "corrupt": 0, "read_errors": 0, "write_errors": 0, "evictions": 0,
                       "orphans_removed": 0, "disk_lookups": 0}
         self._write_errnos: set[int] = set()      # failure kinds already logged
@@ -572,12 +572,15 @@ class FilesystemTier(SecondaryTier):
         self._served([(group, key, out)])
         return True
 
-    def _served(self, items: Sequence[ReadItem]) -> None:
+    def _served(self, items: Sequence[ReadItem], pack: Pack | None = None) -> None:
+        """Count one read request serving ``items`` and refresh their recency (all pages of
+        their pack: the quota removes a pack whole, so it ages as one)."""
         with self._lock:
+            self.stats["read_requests"] += 1
             self.stats["reads"] += len(items)
-            for group, key, out in items:
-                self.stats["read_bytes"] += out.nbytes
-                ident = _ident(group, key)
+            self.stats["read_bytes"] += sum(out.nbytes for _, _, out in items)
+            idents = pack.live if pack is not None and items else [_ident(g, k) for g, k, _ in items]
+            for ident in idents:
                 if ident in self._index:
                     self._index.move_to_end(ident)
 
@@ -629,7 +632,7 @@ class FilesystemTier(SecondaryTier):
                 with self._lock:
                     self._bad.update(pack.live)
             self._forget_pack(pack)
-        self._served([item for (_, item), ok in zip(pages, results, strict=True) if ok])
+        self._served([item for (_, item), ok in zip(pages, results, strict=True) if ok], pack)
         if any(results):
             self._refresh_mtimes([path])
         return results

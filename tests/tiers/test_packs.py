@@ -1,0 +1,160 @@
+"""Pack files: small pages written together share a file and come back in few large reads."""
+
+import os
+
+import numpy as np
+import pytest
+
+from hybridkv.tiers import filesystem, pagefile
+from hybridkv.tiers.admin import gc_store, inspect_store, verify_store
+from hybridkv.tiers.filesystem import FilesystemTier
+
+from helpers.processes import worker
+from helpers.tier_worker import LAYOUT, key, page
+
+
+def write_packed(tier, keys) -> None:
+    """Pages of both groups for ``keys``, submitted as one batch and flushed: one pack."""
+    items = [(g, key(i), page(g, i)) for i in keys for g in (0, 1)]
+    futures = tier.submit_writes(items)
+    tier.flush()
+    assert all(f.result(timeout=30) for f in futures)
+
+
+def read_all(tier, keys) -> list[bool]:
+    items = [(g, key(i), np.empty(LAYOUT.group(g).page_bytes, np.uint8)) for i in keys for g in (0, 1)]
+    ok = [f.result(timeout=30) for f in tier.submit_reads(items)]
+    for (g, k, out), hit in zip(items, ok, strict=True):
+        if hit:
+            assert np.array_equal(out, page(g, int.from_bytes(k, "big")))
+    return ok
+
+
+def packs(tier) -> list:
+    return sorted((tier.namespace / "packs").glob("*.pack"))
+
+
+def flip(path, at: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 1]))
+
+
+def test_pages_written_together_share_one_pack_and_restore_in_one_read_after_a_restart(tmp_path):
+    tier = FilesystemTier(tmp_path, LAYOUT)
+    write_packed(tier, range(40))
+    tier.close()
+    assert len(packs(tier)) == 1 and not list(tier.namespace.rglob("*.blk"))
+    again = FilesystemTier(tmp_path, LAYOUT)
+    assert again.contains_many(1, [key(i) for i in range(41)]) == [True] * 40 + [False]
+    assert all(read_all(again, range(40)))
+    assert again.stats["reads"] == 80 and again.stats["read_requests"] == 1   # adjacent: one run
+    again.close()
+
+
+def test_reads_of_a_large_pack_are_split_into_runs_and_skip_gaps(tmp_path, monkeypatch):
+    monkeypatch.setattr(filesystem, "RUN_BYTES", 8 * 4096 + 20 * 4096)     # about 5 pairs of pages
+    tier = FilesystemTier(tmp_path, LAYOUT)
+    write_packed(tier, range(40))
+    wanted = [i for i in range(40) if i != 20]                            # a gap splits a run too
+    assert all(read_all(tier, wanted))
+    assert tier.stats["read_requests"] == 10 and tier.stats["reads"] == 78   # 4+4+4+4+4, 4+4+4+4+3 pairs
+    tier.close()
+
+
+def test_held_pages_are_written_at_flush(tmp_path, monkeypatch):
+    monkeypatch.setattr(filesystem, "PACK_LINGER_S", 600)
+    tier = FilesystemTier(tmp_path, LAYOUT)
+    futures = tier.submit_writes([(0, key(1), page(0, 1)), (1, key(1), page(1, 1))])
+    assert not any(f.done() for f in futures) and not packs(tier)        # held for company
+    tier.flush()
+    assert all(f.result(timeout=30) for f in futures) and len(packs(tier)) == 1
+    tier.close()
+
+
+def test_close_writes_held_pages(tmp_path, monkeypatch):
+    monkeypatch.setattr(filesystem, "PACK_LINGER_S", 600)
+    tier = FilesystemTier(tmp_path, LAYOUT)
+    futures = tier.submit_writes([(0, key(1), page(0, 1))])
+    tier.close()
+    assert futures[0].result(timeout=0)
+    assert FilesystemTier(tmp_path, LAYOUT).contains(0, key(1))
+
+
+def test_large_pages_keep_files_of_their_own(tmp_path, monkeypatch):
+    monkeypatch.setattr(filesystem, "PACK_MAX_PAGE", 8192)                 # group 1's 16 KiB pages are large
+    tier = FilesystemTier(tmp_path, LAYOUT)
+    write_packed(tier, range(4))
+    assert len(packs(tier)) == 1 and len(list(tier.namespace.glob("g1/*/*.blk"))) == 4
+    assert all(read_all(tier, range(4)))
+    tier.close()
+
+
+def test_quota_evicts_the_least_recent_pack_whole(tmp_path):
+    tier = FilesystemTier(tmp_path, LAYOUT)
+    write_packed(tier, range(0, 10))
+    size = tier.total_bytes()
+    tier.close()
+    tier = FilesystemTier(tmp_path, LAYOUT, max_bytes=2 * size + 100)
+    assert tier.wait_scanned(30)
+    write_packed(tier, range(10, 20))
+    assert all(read_all(tier, [3]))                 # the first pack is now the more recent
+    write_packed(tier, range(20, 30))
+    assert tier.contains(0, key(3)) and tier.contains(1, key(25))
+    assert not any(tier.contains(g, key(i)) for i in range(10, 20) for g in (0, 1))
+    assert len(packs(tier)) == 2 and tier.total_bytes() == 2 * size
+    assert tier.stats["evictions"] == 20
+    tier.close()
+
+
+def test_a_pack_whose_pages_were_all_stored_again_by_us_is_removed(tmp_path):
+    tier = FilesystemTier(tmp_path, LAYOUT)
+    write_packed(tier, range(3))
+    (first,) = packs(tier)
+    write_packed(tier, range(3))
+    assert len(packs(tier)) == 1 and packs(tier) != [first]
+    assert all(read_all(tier, range(3)))
+    tier.close()
+
+
+def test_a_pack_another_process_wrote_is_found_without_a_restart(tmp_path):
+    tier = FilesystemTier(tmp_path, LAYOUT)
+    assert tier.wait_scanned(30) and not tier.contains(1, key(7))
+    assert worker("write", tmp_path, 20).returncode == 0                 # writes through a cache
+    assert packs(tier)
+    assert tier.contains(1, key(7)) and all(read_all(tier, range(20)))
+    tier.close()
+
+
+@pytest.mark.parametrize("where", ["page", "table"])
+def test_a_damaged_pack_is_quarantined_and_none_of_its_pages_served(tmp_path, where):
+    tier = FilesystemTier(tmp_path, LAYOUT)
+    write_packed(tier, range(6))
+    path, offset = tier.locate(1, key(2))
+    tier.close()
+    flip(path, offset + pagefile.HEADER_BYTES + 7 if where == "page" else os.path.getsize(path) - 20)
+    again = FilesystemTier(tmp_path, LAYOUT)
+    assert again.wait_scanned(30)
+    assert read_all(again, [2])[1] is False          # read_all checks every page it served
+    assert not any(read_all(again, range(6)))        # the whole file went to quarantine
+    assert again.stats["corrupt"] == 1 and not os.path.exists(path)
+    assert len(list((again.namespace / "quarantine").iterdir())) == 1
+    assert not again.contains(0, key(0))
+    again.close()
+
+
+def test_admin_commands_inspect_verify_and_collect_packs(tmp_path):
+    tier = FilesystemTier(tmp_path, LAYOUT)
+    write_packed(tier, range(5))
+    write_packed(tier, range(5, 10))
+    path, offset = tier.locate(0, key(7))
+    tier.close()
+    (ns,) = inspect_store(tmp_path)["namespaces"]
+    assert ns["packs"] == {"files": 2, "bytes": sum(p.stat().st_size for p in packs(tier)), "pages": 20}
+    assert [g["packed_pages"] for g in ns["groups"]] == [10, 10]
+    assert verify_store(tmp_path, progress=False) == {"checked": 2, "ok": 2, "corrupt": 0, "quarantined": 0}
+    flip(path, offset + pagefile.HEADER_BYTES)
+    assert verify_store(tmp_path, progress=False) == {"checked": 2, "ok": 1, "corrupt": 1, "quarantined": 1}
+    assert gc_store(tmp_path, 0, progress=False)["removed_files"] == 1 and not packs(tier)
