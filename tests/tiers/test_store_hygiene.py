@@ -165,7 +165,7 @@ def test_read_only_store_serves_what_verifies_and_misses_the_rest(tmp_path):
     cold = json.loads(cli(*common, "--no-cache").stdout)
     assert filled.returncode == 0, filled.stderr
     (namespace,) = [p for p in store.iterdir() if p.is_dir()]
-    (pack,) = (namespace / "packs").glob("*.pack")          # the request's pages, packed
+    pack = sorted((namespace / "packs").glob("*.pack"))[0]  # the request's pages are packed
     orphan = pack.parent / ".deadbeef.1.2.3.tmp"           # a crashed writer's leftover
     orphan.write_bytes(b"x")
     before = {p: p.read_bytes() for p in namespace.rglob("*") if p.is_file()}

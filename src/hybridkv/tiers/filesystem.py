@@ -46,7 +46,7 @@ QUARANTINE = "quarantine"
 PACKS = "packs"
 PACK_MAX_PAGE = 1 << 20     # pages up to this size are packed; larger ones read at disk speed alone
 PACK_BYTES = 8 << 20        # a pack is written once its pages reach this size,
-PACK_LINGER_S = 0.2         # or this long after its first page, or at a flush (a request ended)
+PACK_LINGER_S = 1.0         # or this long after its first page, or at a flush (a request ended)
 RUN_BYTES = 4 << 20         # the largest read of adjacent packed pages in one request
 
 
@@ -310,16 +310,31 @@ class FilesystemTier(SecondaryTier):
         order = np.argsort(np.frombuffer(mtimes, np.int64), kind="stable") if idents else []
         scanned: OrderedDict[bytes, Where] = OrderedDict()
         for i in order:                        # a page stored twice: the newest copy serves
-            self._set_entry(scanned, idents[i], wheres[i])
-        with self._lock:
-            for ident in self._gone:
-                self._drop_entry(scanned, ident)
-            for ident in self._fresh:                 # indexed since start-up: the most recent
-                if ident in self._index:
-                    self._set_entry(scanned, ident, self._index[ident])
+            scanned.pop(idents[i], None)
+            scanned[idents[i]] = wheres[i]
+        # Built aside: the serving index's packs keep their own page sets until the swap.
+        live: dict[Pack, set[bytes]] = {}
+        for ident, where in scanned.items():
+            if isinstance(where, tuple):
+                live.setdefault(where[0], set()).add(ident)
+        file_bytes = sum(w for w in scanned.values() if isinstance(w, int))
+        with self._lock:                       # then what changed while we walked
+            changed = [(ident, None) for ident in self._gone]
+            changed += [(ident, self._index[ident]) for ident in self._fresh if ident in self._index]
+            for ident, where in changed:       # indexed since start-up: the most recent
+                old = scanned.pop(ident, None)
+                if isinstance(old, tuple):
+                    live[old[0]].discard(ident)
+                file_bytes -= old if isinstance(old, int) else 0
+                if where is not None:
+                    scanned[ident] = where
+                    if isinstance(where, tuple):
+                        live.setdefault(where[0], set()).add(ident)
+                    file_bytes += where if isinstance(where, int) else 0
+            for pack in self._packs.values():
+                pack.live = live.get(pack, set())
             self._idle = {name: pack for name, pack in self._packs.items() if not pack.live}
-            self._bytes = (sum(w for w in scanned.values() if isinstance(w, int))
-                           + sum(pack.nbytes for pack in self._packs.values()))
+            self._bytes = file_bytes + sum(pack.nbytes for pack in self._packs.values())
             self._index, self._gone, self._fresh = scanned, None, None
 
     def _scan_entry(self, entry: os.DirEntry, group: int, mtimes, idents, wheres) -> None:

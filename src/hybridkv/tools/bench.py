@@ -453,24 +453,30 @@ def _ttft_bounds(rams: list, disks: list, ceilings: dict) -> dict:
 
 
 def _same_pages_ceilings(store: Path, repeats: int = 5, threads: int = 4) -> dict:
-    """Ceilings over the very page files the restores read (same sizes, same count): read raw
-    the way the tier reads them (``O_DIRECT`` where it is accepted, the tier's 4 threads), and
-    the same bytes copied page by page in memory."""
+    """Ceilings over the very files the restores read: read raw the way the tier reads them
+    (``O_DIRECT`` where it is accepted, the tier's 4 threads, requests of at most
+    ``RUN_BYTES``), and the pages' bytes copied page by page in memory."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from hybridkv.tiers.filesystem import probe_direct_io
+    from hybridkv.tiers import packfile
+    from hybridkv.tiers.filesystem import RUN_BYTES, probe_direct_io
 
-    files = sorted(store.rglob("*.blk"))
-    sizes = [f.stat().st_size for f in files]
+    files = sorted(store.rglob("*.blk")) + sorted(store.rglob(f"*{packfile.SUFFIX}"))
+    file_bytes = [f.stat().st_size for f in files]
+    pages = [size for f, size in zip(files, file_bytes, strict=True) if f.suffix == ".blk"]
+    for f in files[len(pages):]:
+        pages += _page_spans(f)
     direct = probe_direct_io(files[0].parent)
-    buffers = [mmap.mmap(-1, -(-max(sizes) // 4096) * 4096) for _ in range(threads)]
-    src, dst = np.ones(sum(sizes), np.uint8), np.empty(sum(sizes), np.uint8)
-    bounds = np.cumsum([0, *sizes])
+    chunk = min(RUN_BYTES, packfile.aligned(max(file_bytes)))
+    requests = [(f, at) for f, size in zip(files, file_bytes, strict=True) for at in range(0, size, chunk)]
+    buffers = [mmap.mmap(-1, chunk) for _ in range(threads)]
+    src, dst = np.ones(sum(pages), np.uint8), np.empty(sum(pages), np.uint8)
+    bounds = np.cumsum([0, *pages])
 
     def read_share(i: int) -> None:
-        for f in files[i::threads]:
+        for f, at in requests[i::threads]:
             fd = os.open(f, os.O_RDONLY | (os.O_DIRECT if direct else 0))
-            os.preadv(fd, [buffers[i]], 0)
+            os.preadv(fd, [buffers[i]], at)
             os.close(fd)
 
     def raw_read() -> float:
@@ -485,11 +491,23 @@ def _same_pages_ceilings(store: Path, repeats: int = 5, threads: int = 4) -> dic
             np.copyto(dst[a:b], src[a:b])
         return time.perf_counter() - t
 
-    total = sum(sizes)
-    return {"pages_on_disk": len(files), "page_bytes_on_disk": sorted(set(sizes)),
+    return {"files_on_disk": len(files), "pages_on_disk": len(pages), "page_bytes_on_disk": sorted(set(pages)),
             "raw_read_mode": "direct" if direct else "buffered",
-            "raw_read_same_pages_gbps": _gbps(total, _median(raw_read, repeats)[0]),
-            "memcpy_same_pages_gbps": _gbps(total, _median(copy, repeats)[0])}
+            "raw_read_same_pages_gbps": _gbps(sum(file_bytes), _median(raw_read, repeats)[0]),
+            "memcpy_same_pages_gbps": _gbps(sum(pages), _median(copy, repeats)[0])}
+
+
+def _page_spans(pack: Path) -> list[int]:
+    """Bytes of each page in a pack (header, payload, padding)."""
+    from hybridkv.tiers import packfile
+
+    fd = os.open(pack, os.O_RDONLY)
+    try:
+        offsets = sorted(offset for _, _, offset in packfile.read_table(fd))
+        end = os.fstat(fd).st_size - packfile.table_bytes(len(offsets))
+    finally:
+        os.close(fd)
+    return [b - a for a, b in zip(offsets, [*offsets[1:], end], strict=True)]
 
 
 # -- 4. simulator -----------------------------------------------------------------------------
