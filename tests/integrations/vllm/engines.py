@@ -10,6 +10,7 @@ from pathlib import Path
 
 from hybridkv.core.keys import block_hashes
 from hybridkv.integrations.vllm.tiny_models import dtype_of
+from hybridkv.tiers import packfile, pagefile
 
 ENGINE_TIMEOUT_S = 600
 
@@ -59,9 +60,23 @@ def run_engine(model_dir: Path, family: str, connector: dict | None, requests: l
     return result
 
 
-def page_file(store: Path, group: int, key: bytes) -> Path:
+def stored_payload(store: Path, group: int, key: bytes) -> tuple[Path, int, int]:
+    """The file holding a stored page (its own file or a pack), and where its payload lies
+    in it: (path, offset, length)."""
     (layout_dir,) = [p for p in store.iterdir() if p.is_dir()]
-    return layout_dir / f"g{group}" / key.hex()[:2] / f"{key.hex()}.blk"
+    own = layout_dir / f"g{group}" / key.hex()[:2] / f"{key.hex()}.blk"
+    if own.exists():
+        return own, pagefile.HEADER_BYTES, own.stat().st_size - pagefile.HEADER_BYTES
+    for pack in (layout_dir / "packs").glob(f"*{packfile.SUFFIX}"):
+        fd = os.open(pack, os.O_RDONLY)
+        try:
+            for g, k, offset in packfile.read_table(fd):
+                if (g, k) == (group, key):
+                    length = pagefile.parse_header(os.pread(fd, pagefile.HEADER_BYTES, offset), g, k)
+                    return pack, offset + pagefile.HEADER_BYTES, length
+        finally:
+            os.close(fd)
+    raise FileNotFoundError(f"page {key.hex()} of group {group} is not in {store}")
 
 
 def keys_of(prompt: list[int], block_tokens: int) -> list[bytes]:

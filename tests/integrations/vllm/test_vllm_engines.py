@@ -10,7 +10,7 @@ Every restore is compared with a cold run of the same tokens.
 
 import pytest
 
-from engines import keys_of, page_file, run_engine, tokens
+from engines import keys_of, run_engine, stored_payload, tokens
 
 HYBRID = ["lfm2", "qwen3_next", "granite_h"]
 FAMILIES = ["llama", *HYBRID]
@@ -43,9 +43,9 @@ def runs(checkpoints, tmp_path_factory, redis_server):
             # A foreign byte in R's stored state at its replay boundary: B must miss it.
             if family in HYBRID:
                 state_group = 0
-                bad = page_file(store, state_group, keys_of(R, B)[replay(len(R), B) // B - 1])
+                bad, at, length = stored_payload(store, state_group, keys_of(R, B)[replay(len(R), B) // B - 1])
                 raw = bytearray(bad.read_bytes())
-                raw[len(raw) // 2] ^= 0xFF
+                raw[at + length // 2] ^= 0xFF
                 bad.write_bytes(bytes(raw))
             b_store = work / "store-b" if family == "llama" else store
             b_store.mkdir(exist_ok=True)
