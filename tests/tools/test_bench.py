@@ -2,7 +2,14 @@ import json
 
 import pytest
 
-from hybridkv.tools.bench import bench_fs, bench_fs_batch, bench_fs_startup, bench_ram, bench_remote
+from hybridkv.tools.bench import (
+    bench_fs,
+    bench_fs_batch,
+    bench_fs_startup,
+    bench_fs_startup_packed,
+    bench_ram,
+    bench_remote,
+)
 from hybridkv.tools.bench_report import plot, tables, vllm_table
 
 from helpers.cli import assert_one_line_error, cli, run_cli
@@ -21,6 +28,10 @@ def test_filesystem_batch_and_startup_benchmarks_report_ratios():
     st = bench_fs_startup(pages=500)
     assert st["indexed"] == 500 and st["open_s"] > 0 and st["scanned_s"] >= st["open_s"]
     assert st["index_bytes_per_page"] > 0 and st["scan_ratio"] == st["scanned_s"] / st["raw_walk_s"]
+    packed = bench_fs_startup_packed(pages=1000, per_pack=64)
+    assert packed["indexed"] == 1000 and packed["packs"] == 16
+    assert packed["open_s"] <= packed["packed_served_s"] <= packed["scanned_s"]
+    assert row["raw_read_file_per_page_gbps"] > 0
 
 
 def test_remote_benchmark(redis_url):

@@ -49,9 +49,14 @@ def encode(pages: list[tuple[int, bytes, object]]) -> tuple[list, list[PackEntry
         buffers += [header, data, bytes(span - len(header) - len(data))]
         entries.append((group, key, offset))
         offset += span
-    table = b"".join(_ENTRY.pack(g, len(k), k, o) for g, k, o in entries)
-    buffers += [table, _TRAILER.pack(MAGIC, VERSION, len(entries), zlib.crc32(table))]
+    buffers.append(encode_table(entries))
     return buffers, entries
+
+
+def encode_table(entries: list[PackEntry]) -> bytes:
+    """The table and trailer that end a pack holding ``entries``."""
+    table = b"".join(_ENTRY.pack(g, len(k), k, o) for g, k, o in entries)
+    return table + _TRAILER.pack(MAGIC, VERSION, len(entries), zlib.crc32(table))
 
 
 def table_bytes(count: int) -> int:
