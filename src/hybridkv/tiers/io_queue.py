@@ -56,17 +56,27 @@ class IOQueue:
             t.join()
 
 
-def fan_out(batch: Future, n: int) -> list[Future]:
+class BatchItem:
+    """One item of a batch future whose result is a list, answering like a Future.
+
+    A real Future per item (a lock and a condition each, settled one by one) cost more than
+    reading a small page: 2,000 of them doubled the time of a 64 MiB promotion."""
+
+    __slots__ = ("batch", "index")
+
+    def __init__(self, batch: Future, index: int):
+        self.batch, self.index = batch, index
+
+    def result(self, timeout: float | None = None):
+        return self.batch.result(timeout)[self.index]
+
+    def done(self) -> bool:
+        return self.batch.done()
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return self.batch.exception(timeout)
+
+
+def fan_out(batch: Future, n: int) -> list[BatchItem]:
     """Per-item futures for a batch future whose result is a list of n results."""
-    items = [Future() for _ in range(n)]
-
-    def settle(done: Future) -> None:
-        error = done.exception()
-        for i, item in enumerate(items):
-            if error is not None:
-                item.set_exception(error)
-            else:
-                item.set_result(done.result()[i])
-
-    batch.add_done_callback(settle)
-    return items
+    return [BatchItem(batch, i) for i in range(n)]
