@@ -1,6 +1,7 @@
 """Pack files: small pages written together share a file and come back in few large reads."""
 
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -158,3 +159,27 @@ def test_admin_commands_inspect_verify_and_collect_packs(tmp_path):
     flip(path, offset + pagefile.HEADER_BYTES)
     assert verify_store(tmp_path, progress=False) == {"checked": 2, "ok": 1, "corrupt": 1, "quarantined": 1}
     assert gc_store(tmp_path, 0, progress=False)["removed_files"] == 1 and not packs(tier)
+
+
+class HeldPackScan(FilesystemTier):
+    """The real tier, with the first part of its scan (the pack tables) held."""
+
+    def __init__(self, *args, **kwargs):
+        self.go = threading.Event()
+        super().__init__(*args, **kwargs)
+
+    def _scan_packs(self):
+        self.go.wait(30)
+        return super()._scan_packs()
+
+
+def test_a_lookup_waits_for_the_pack_tables_only_so_long(tmp_path, monkeypatch):
+    tier = FilesystemTier(tmp_path, LAYOUT)
+    write_packed(tier, range(3))
+    tier.close()
+    monkeypatch.setattr(filesystem, "PACK_INDEX_WAIT_S", 0.05)
+    held = HeldPackScan(tmp_path, LAYOUT)
+    assert held.contains(0, key(1)) is False            # a miss, not a stall
+    held.go.set()
+    assert held.packs_indexed.wait(30) and held.contains(0, key(1))
+    held.close()

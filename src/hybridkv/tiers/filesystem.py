@@ -48,6 +48,7 @@ PACK_MAX_PAGE = 1 << 20     # pages up to this size are packed; larger ones read
 PACK_BYTES = 8 << 20        # a pack is written once its pages reach this size,
 PACK_LINGER_S = 1.0         # or this long after its first page, or at a flush (a request ended)
 RUN_BYTES = 4 << 20         # the largest read of adjacent packed pages in one request
+PACK_INDEX_WAIT_S = 1.0     # a lookup at start-up waits this long for the pack tables, then misses
 
 
 class Pack:
@@ -508,7 +509,9 @@ class FilesystemTier(SecondaryTier):
                         self._put(idents[n], self._size(size))
                 found[n] = True
         if not all(found):
-            self.packs_indexed.wait()        # the scan reads the pack tables first: moments
+            # The scan reads the pack tables first: milliseconds for most stores, seconds for
+            # millions of pages, where a miss (recompute) beats a long wait.
+            self.packs_indexed.wait(PACK_INDEX_WAIT_S)
             self._list_new_packs()
             with self._lock:
                 found = [ok or i in self._index for i, ok in zip(idents, found, strict=True)]
@@ -516,7 +519,9 @@ class FilesystemTier(SecondaryTier):
 
     def _list_new_packs(self) -> None:
         """Index packs other processes wrote since we last listed: one ``stat`` when the
-        packs directory is unchanged."""
+        packs directory is unchanged; nothing before the scan has read the tables."""
+        if not self.packs_indexed.is_set():
+            return
         try:
             listed = os.stat(self._packs_dir).st_mtime_ns
             if listed == self._packs_listed:

@@ -94,6 +94,8 @@ def tables(res: dict) -> str:
                "|---:|---:|---:|---:|---:|")
         add(f"| {st['open_s'] * 1e3:.1f} ms | {st['scanned_s']:.2f} s | {st['raw_walk_s']:.2f} s | "
             f"{st['scan_ratio']:.2f}x | {st['index_bytes_per_page']:.0f} |")
+        add("\nThe scan runs in the background: lookups are served from the first millisecond (a key "
+            "not yet indexed costs one `stat`). Directory caches are warm in both columns.\n")
     if "fs_startup_packed" in res:
         st = res["fs_startup_packed"]
         _table(add, f"Opening a store of {st['pages']:,} small pages in {st['packs']:,} packs",
@@ -103,8 +105,6 @@ def tables(res: dict) -> str:
             f"{st['index_bytes_per_page']:.0f} |")
         add("\nThe scan reads each pack's table (one read a pack), serves the packed pages, then walks "
             "the page files and orders everything by mtime.\n")
-        add("\nThe scan runs in the background: lookups are served from the first millisecond (a key "
-            "not yet indexed costs one `stat`). Directory caches are warm in both columns.\n")
     if "remote" in res:
         _table(add, "Remote tier (Redis on loopback)", "| value size | | SET GB/s | GET GB/s |", "|---|---|---:|---:|")
         for r in res["remote"]:
