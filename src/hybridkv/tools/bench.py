@@ -208,8 +208,6 @@ def bench_fs_startup(pages: int = 200_000, page_bytes: int = 32 * 1024) -> dict:
     """Opening a store of ``pages`` page files: time until the tier serves, until its
     background scan has indexed every page, and the index's bytes per page; the ceiling is
     a raw ``scandir`` + ``lstat`` walk of the same files (all with warm directory caches)."""
-    import tracemalloc
-
     from hybridkv.tiers.filesystem import FilesystemTier, page_file
 
     layout = _page_layout(page_bytes)
@@ -237,23 +235,38 @@ def bench_fs_startup(pages: int = 200_000, page_bytes: int = 32 * 1024) -> dict:
             return time.perf_counter() - t
 
         raw = min(raw_walk() for _ in range(2))
-        t = time.perf_counter()
-        tier = FilesystemTier(root, layout)
-        opened = time.perf_counter() - t
-        tier.wait_scanned()
-        scanned = time.perf_counter() - t
-        indexed = tier.indexed_pages()
-        tier.close()
-        tracemalloc.start()
-        tier = FilesystemTier(root, layout)
-        tier.wait_scanned()
-        index_bytes = tracemalloc.get_traced_memory()[0]
-        tracemalloc.stop()
-        tier.close()
+        opening = _time_opening(root, layout)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    return {"pages": pages, "indexed": indexed, "open_s": opened, "scanned_s": scanned,
-            "raw_walk_s": raw, "scan_ratio": scanned / raw, "index_bytes_per_page": index_bytes / pages}
+    index_bytes = opening.pop("index_bytes")
+    return {"pages": pages, **opening, "raw_walk_s": raw, "scan_ratio": opening["scanned_s"] / raw,
+            "index_bytes_per_page": index_bytes / pages}
+
+
+def _time_opening(root: Path, layout) -> dict:
+    """Open the store at ``root``: time until the tier serves, until the pack tables are read,
+    until the scan ends; then the index's bytes (tracemalloc, a second open)."""
+    import tracemalloc
+
+    from hybridkv.tiers.filesystem import FilesystemTier
+
+    t = time.perf_counter()
+    tier = FilesystemTier(root, layout)
+    opened = time.perf_counter() - t
+    tier.packs_indexed.wait()
+    packed = time.perf_counter() - t
+    tier.wait_scanned()
+    scanned = time.perf_counter() - t
+    indexed = tier.indexed_pages()
+    tier.close()
+    tracemalloc.start()
+    tier = FilesystemTier(root, layout)
+    tier.wait_scanned()
+    index_bytes = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    tier.close()
+    return {"indexed": indexed, "open_s": opened, "packed_served_s": packed, "scanned_s": scanned,
+            "index_bytes": index_bytes}
 
 
 def bench_fs_startup_packed(pages: int = 1_000_000, page_bytes: int = 32 * 1024, per_pack: int = 256) -> dict:
@@ -261,8 +274,6 @@ def bench_fs_startup_packed(pages: int = 1_000_000, page_bytes: int = 32 * 1024,
     it serves, until the packed pages are served (the scan reads each pack's table first),
     until everything is ordered, and the index's bytes per page. The packs are sparse files
     with real tables: the scan reads tables, not pages."""
-    import tracemalloc
-
     from hybridkv.tiers import packfile
     from hybridkv.tiers.filesystem import PACKS, FilesystemTier
 
@@ -280,25 +291,11 @@ def bench_fs_startup_packed(pages: int = 1_000_000, page_bytes: int = 32 * 1024,
             fd = os.open(packs / f"{first:016x}{packfile.SUFFIX}", os.O_WRONLY | os.O_CREAT, 0o600)
             os.pwrite(fd, table, count * span)
             os.close(fd)
-        t = time.perf_counter()
-        tier = FilesystemTier(root, layout)
-        opened = time.perf_counter() - t
-        tier.packs_indexed.wait()
-        packed = time.perf_counter() - t
-        tier.wait_scanned()
-        scanned = time.perf_counter() - t
-        indexed = tier.indexed_pages()
-        tier.close()
-        tracemalloc.start()
-        tier = FilesystemTier(root, layout)
-        tier.wait_scanned()
-        index_bytes = tracemalloc.get_traced_memory()[0]
-        tracemalloc.stop()
-        tier.close()
+        opening = _time_opening(root, layout)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    return {"pages": pages, "packs": -(-pages // per_pack), "indexed": indexed, "open_s": opened,
-            "packed_served_s": packed, "scanned_s": scanned, "index_bytes_per_page": index_bytes / pages}
+    index_bytes = opening.pop("index_bytes")
+    return {"pages": pages, "packs": -(-pages // per_pack), **opening, "index_bytes_per_page": index_bytes / pages}
 
 
 def _dd(directory: Path, block: int, count: int) -> float | None:
