@@ -7,7 +7,7 @@ import numpy as np
 from hybridkv.cache import TieredCache
 from hybridkv.config import CacheConfig
 from hybridkv.ram.regions import SharedRegion
-from hybridkv.tiers import pagefile
+from hybridkv.tiers import filesystem, pagefile
 from hybridkv.tiers.filesystem import FilesystemTier
 
 from helpers.tier_worker import LAYOUT, key, page
@@ -115,3 +115,16 @@ def test_promotion_waits_for_write_through_pins_instead_of_missing(tmp_path):
         views = cache.acquire({0: [key(0), key(1), key(2)]})
         assert views is not None
         assert all(np.array_equal(views[0][i], page(0, i)) for i in range(3))
+
+
+def test_a_store_refused_for_want_of_ram_releases_the_held_write_through(tmp_path, monkeypatch):
+    monkeypatch.setattr(filesystem, "PACK_LINGER_S", 600)      # only a flush writes held pages
+    small = LAYOUT.group(0).page_bytes * 3 + LAYOUT.group(1).page_bytes * 4
+    config = CacheConfig(block_tokens=16, ram_bytes=small, reference_tokens=32, store=str(tmp_path))
+    with TieredCache(LAYOUT, config) as cache:
+        assert cache.store({0: [(key(i), page(0, i)) for i in (1, 2, 3)]})
+        assert not cache.store({0: [(key(4), page(0, 4))]})     # every slot pinned by write-through
+        for w in cache._writes:                                 # the refusal flushed them
+            assert all(f.result(timeout=30) for f in w.futures)
+        cache.poll()
+        assert cache.store({0: [(key(4), page(0, 4))]})

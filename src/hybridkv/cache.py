@@ -237,7 +237,11 @@ class TieredCache:
         keys = {gid: list(ks) for gid, ks in keys.items() if ks}
         if not keys:
             return {}
-        return self.pools.prepare_store(keys)
+        plans = self.pools.prepare_store(keys)
+        if plans is None and self._writes:
+            for tier in self.secondaries:   # RAM is short: held write-through keeps slots pinned
+                tier.flush()
+        return plans
 
     def commit(self, plans: Mapping[int, StorePlan], ok: bool = True) -> None:
         """The reserved slots are filled (ok) or abandoned; filled pages are written through."""
