@@ -120,6 +120,19 @@ def test_a_pack_whose_pages_were_all_stored_again_by_us_is_removed(tmp_path):
     tier.close()
 
 
+def test_a_page_submitted_twice_before_a_flush_is_served_from_its_pack(tmp_path):
+    tier = FilesystemTier(tmp_path, LAYOUT)
+    futures = tier.submit_writes([(0, key(5), page(0, 5)), (0, key(5), page(0, 5))])
+    tier.flush()
+    assert [f.result(timeout=30) for f in futures] == [True, True]
+    tier.close()
+    again = FilesystemTier(tmp_path, LAYOUT)
+    assert again.wait_scanned(30) and len(packs(again)) == 1
+    out = np.empty(4096, np.uint8)
+    assert again.read(0, key(5), out) and np.array_equal(out, page(0, 5))
+    again.close()
+
+
 def test_a_pack_another_process_wrote_is_found_without_a_restart(tmp_path):
     tier = FilesystemTier(tmp_path, LAYOUT)
     assert tier.wait_scanned(30) and not tier.contains(1, key(7))

@@ -98,6 +98,10 @@ def _files(namespace: Path, dirs: StoreDirs) -> Iterator[tuple[Path, os.stat_res
     yield from _packs(namespace, dirs)
 
 
+def _group_record(groups: dict[int, dict], kinds: dict[int, str], group: int) -> dict:
+    return groups.setdefault(group, {"id": group, "kind": kinds.get(group, "unknown"), "files": 0, "bytes": 0})
+
+
 def inspect_store(store: str | Path) -> dict:
     dirs, namespaces = open_store(store)
     out = {"total_bytes": 0, "namespaces": []}
@@ -105,8 +109,7 @@ def inspect_store(store: str | Path) -> dict:
         kinds = {g["id"]: g["kind"] for g in manifest.get("layout", {}).get("groups", [])}
         groups: dict[int, dict] = {}
         for group, _, st in _pages(ns, dirs):
-            g = groups.setdefault(group, {"id": group, "kind": kinds.get(group, "unknown"),
-                                          "files": 0, "bytes": 0})
+            g = _group_record(groups, kinds, group)
             g["files"] += 1
             g["bytes"] += st.st_size
         packs = {"files": 0, "bytes": 0, "pages": 0}
@@ -114,13 +117,17 @@ def inspect_store(store: str | Path) -> dict:
             packs["files"] += 1
             packs["bytes"] += st.st_size
             try:
-                for group, _, _ in _read_pack(path)[1]:
-                    packs["pages"] += 1
-                    g = groups.setdefault(group, {"id": group, "kind": kinds.get(group, "unknown"),
-                                                  "files": 0, "bytes": 0})
-                    g["packed_pages"] = g.get("packed_pages", 0) + 1
+                fd = open_page(path, os.O_RDONLY)
+                try:
+                    table = packfile.read_table(fd)   # the table, not the pages
+                finally:
+                    os.close(fd)
             except (OSError, pagefile.CorruptPage):
                 continue                     # verify reports and quarantines it
+            for group, _, _ in table:
+                packs["pages"] += 1
+                g = _group_record(groups, kinds, group)
+                g["packed_pages"] = g.get("packed_pages", 0) + 1
         qdir = ns / QUARANTINE
         quarantined = sum(1 for _ in qdir.iterdir()) if os.path.lexists(qdir) and _is_dir(qdir) else 0
         total = sum(g["bytes"] for g in groups.values()) + packs["bytes"]

@@ -280,10 +280,8 @@ class FilesystemTier(SecondaryTier):
         then on, while the page files are still being walked."""
         packed = self._scan_packs()
         with self._lock:
-            dead = []
             for pack, table, _ in packed:
-                dead += self._add_pack(pack, table, newest=False, fresh=False)
-        self._remove(dead)
+                self._add_pack(pack, table, newest=False, fresh=False)
         self.packs_indexed.set()
         return packed
 
@@ -409,26 +407,6 @@ class FilesystemTier(SecondaryTier):
             self.stats["corrupt"] += 1
         return moved
 
-    @staticmethod
-    def _set_entry(index: OrderedDict[bytes, Where], ident: bytes, where: Where) -> Pack | None:
-        """Index ``where`` as the newest copy of a page; returns a pack this emptied."""
-        dead = FilesystemTier._drop_entry(index, ident)
-        index[ident] = where
-        if isinstance(where, tuple):
-            where[0].live.add(ident)
-        return dead
-
-    @staticmethod
-    def _drop_entry(index: OrderedDict[bytes, Where], ident: bytes) -> Pack | None:
-        """Remove a page from ``index``; returns its pack if that pack has no page left."""
-        where = index.pop(ident, None)
-        if isinstance(where, tuple):
-            pack = where[0]
-            pack.live.discard(ident)
-            if not pack.live:
-                return pack
-        return None
-
     def _size(self, nbytes: int) -> int:
         """The one int object for this size: a million index entries share a few."""
         return self._sizes.setdefault(nbytes, nbytes)
@@ -443,19 +421,35 @@ class FilesystemTier(SecondaryTier):
         ``fresh``: not put by the start-up scan, so it outranks what the scan finds."""
         if fresh and self._fresh is not None:
             self._fresh.add(ident)
-        old = self._index.get(ident)
-        if isinstance(old, int):
-            self._bytes -= old
-        dead = self._set_entry(self._index, ident, where)
+        old = self._index.pop(ident, None)
+        self._index[ident] = where
         if isinstance(where, int):
             self._bytes += where
-        return self._bury(dead)
+        elif isinstance(old, tuple) and old[0] is where[0]:
+            return []                       # the same pack holds it twice: nothing to release
+        else:
+            where[0].live.add(ident)
+        return self._release(ident, old)
 
     def _drop(self, ident: bytes) -> list[str]:
-        old = self._index.get(ident)
-        if isinstance(old, int):
-            self._bytes -= old
-        return self._bury(self._drop_entry(self._index, ident))
+        """Unindex a page; returns files no page uses now."""
+        return self._release(ident, self._index.pop(ident, None))
+
+    def _release(self, ident: bytes, where: Where | None) -> list[str]:
+        """Account for an index entry that went away; returns files no page uses now."""
+        if isinstance(where, int):
+            self._bytes -= where
+        elif where is not None:
+            where[0].live.discard(ident)
+            return self._bury(where[0])
+        return []
+
+    def _drop_pack(self, pack: Pack) -> list[str]:
+        """Unindex every page of a pack and stop counting it; returns its path."""
+        paths = []
+        for ident in list(pack.live):
+            paths += self._drop(ident)
+        return paths + self._bury(pack, gone=True)
 
     def _bury(self, pack: Pack | None, gone: bool = False) -> list[str]:
         """A pack no page is served from: ours (or one ``gone`` already) stops counting and
@@ -473,7 +467,8 @@ class FilesystemTier(SecondaryTier):
     def _add_pack(self, pack: Pack, table: list[packfile.PackEntry], newest: bool,
                   fresh: bool = True) -> list[str]:
         """Index a pack's pages: all of them (``newest``, we just wrote it) or those the
-        index lacks (another process wrote it)."""
+        index lacks (another process wrote it). Returns files no page uses now: only pages
+        stored again, so only with ``newest``."""
         self._packs[pack.name] = pack
         self._bytes += pack.nbytes
         dead = []
@@ -537,8 +532,8 @@ class FilesystemTier(SecondaryTier):
             if found is not None:
                 pack, table, _ = found
                 with self._lock:
-                    dead = [] if name in self._packs else self._add_pack(pack, table, newest=False)
-                self._remove(dead)
+                    if name not in self._packs:
+                        self._add_pack(pack, table, newest=False)
 
     def locate(self, group: int, key: bytes) -> tuple[str, int] | None:
         """The file holding a page and the offset of its header there (tools, tests)."""
@@ -639,7 +634,8 @@ class FilesystemTier(SecondaryTier):
             for offset, (group, key, out) in pages:
                 at = offset - start
                 try:
-                    _check_size(min(got - at, pagefile.HEADER_BYTES + out.nbytes), pagefile.HEADER_BYTES + out.nbytes)
+                    if got < at + pagefile.HEADER_BYTES + out.nbytes:
+                        raise pagefile.CorruptPage("pack shorter than its table says")
                     body = view[at + pagefile.HEADER_BYTES: at + pagefile.HEADER_BYTES + out.nbytes]
                     pagefile.verify(bytes(view[at: at + pagefile.HEADER_BYTES]), body, group, key)
                     np.copyto(out, np.frombuffer(body, np.uint8))
@@ -744,8 +740,6 @@ class FilesystemTier(SecondaryTier):
         ident = _ident(group, key)
         with self._lock:
             self._bad.discard(ident)
-            if self._gone is not None:
-                self._gone.discard(ident)
             dead = self._put(ident, self._size(size))
             self.stats["writes"] += 1
             self.stats["write_bytes"] += size
@@ -773,8 +767,6 @@ class FilesystemTier(SecondaryTier):
             return False
         pack = Pack(name, sum(len(memoryview(b).cast("B")) for b in buffers), mine=True)
         with self._lock:
-            if self._gone is not None:
-                self._gone.difference_update(_ident(g, k) for g, k, _ in table)
             dead = self._add_pack(pack, table, newest=True)
             self.stats["writes"] += len(pages)
             self.stats["write_bytes"] += pack.nbytes
@@ -826,20 +818,21 @@ class FilesystemTier(SecondaryTier):
     def submit_writes(self, items: Sequence[tuple[int, bytes, object]]) -> list[Future]:
         """Large pages are written to files of their own at once; small ones wait (at most
         ``PACK_LINGER_S``, or until ``flush``) to share a pack with the pages after them."""
-        futures = []
-        held = []
+        futures, held, held_bytes = [], [], 0
         for group, key, payload in items:
-            if self.read_only or memoryview(payload).nbytes > PACK_MAX_PAGE:
+            nbytes = memoryview(payload).nbytes
+            if self.read_only or nbytes > PACK_MAX_PAGE:
                 futures.append(self._io.submit(WRITE, self.write, group, key, payload))
             else:
                 future: Future = Future()
                 held.append((group, key, payload, future))
                 futures.append(future)
+                held_bytes += nbytes
         if held:
             with self._pending_ready:
                 first = not self._pending
                 self._pending += held
-                self._pending_bytes += sum(memoryview(p).nbytes for _, _, p, _ in held)
+                self._pending_bytes += held_bytes
                 self._pending_ready.notify_all()
             if first:
                 self._io.submit(WRITE, self._write_pending)
@@ -899,11 +892,8 @@ class FilesystemTier(SecondaryTier):
                     kept.append((ident, self._index.pop(ident)))
                     continue
                 if isinstance(where, tuple):
-                    pack = where[0]
-                    evicted += len(pack.live)
-                    for other in list(pack.live):
-                        self._drop_entry(self._index, other)
-                    victims += self._bury(pack, gone=True)
+                    evicted += len(where[0].live)
+                    victims += self._drop_pack(where[0])
                 else:
                     evicted += 1
                     self._drop(ident)
@@ -939,11 +929,9 @@ class FilesystemTier(SecondaryTier):
     def _forget_pack(self, pack: Pack) -> None:
         """A pack is gone or damaged: none of its pages is served from it again."""
         with self._lock:
-            for ident in list(pack.live):
-                self._drop_entry(self._index, ident)
-                if self._gone is not None:
-                    self._gone.add(ident)
-            self._bury(pack, gone=True)
+            if self._gone is not None:
+                self._gone.update(pack.live)
+            self._drop_pack(pack)               # its file is gone or in quarantine already
 
     def close(self) -> None:
         """Write the held pages and drain queued writes: a clean exit loses nothing acknowledged."""
