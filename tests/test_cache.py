@@ -7,7 +7,7 @@ import numpy as np
 from hybridkv.cache import TieredCache
 from hybridkv.config import CacheConfig
 from hybridkv.ram.regions import SharedRegion
-from hybridkv.tiers import filesystem, pagefile
+from hybridkv.tiers import filesystem
 from hybridkv.tiers.filesystem import FilesystemTier
 
 from helpers.tier_worker import LAYOUT, key, page
@@ -68,7 +68,7 @@ def test_corrupt_secondary_page_fails_acquire_and_is_not_served(tmp_path):
     path, offset = tier.locate(1, key(4))
     tier.close()
     with open(path, "r+b") as f:                 # one flipped payload byte
-        f.seek(offset + pagefile.HEADER_BYTES + 100)
+        f.seek(offset + 100)
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 1]))

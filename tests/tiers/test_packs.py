@@ -1,14 +1,17 @@
 """Pack files: small pages written together share a file and come back in few large reads."""
 
+import mmap
 import os
 import threading
 
 import numpy as np
 import pytest
 
-from hybridkv.tiers import filesystem, pagefile
+from hybridkv.core.layout import layout_from_dict
+from hybridkv.tiers import filesystem, packfile
 from hybridkv.tiers.admin import gc_store, inspect_store, verify_store
 from hybridkv.tiers.filesystem import FilesystemTier
+from hybridkv.tiers.pagefile import CorruptPage
 
 from helpers.processes import worker
 from helpers.tier_worker import LAYOUT, key, page
@@ -56,13 +59,63 @@ def test_pages_written_together_share_one_pack_and_restore_in_one_read_after_a_r
 
 
 def test_reads_of_a_large_pack_are_split_into_runs_and_skip_gaps(tmp_path, monkeypatch):
-    monkeypatch.setattr(filesystem, "RUN_BYTES", 8 * 4096 + 20 * 4096)     # about 5 pairs of pages
+    monkeypatch.setattr(filesystem, "RUN_BYTES", 4 * (4096 + 16384) + 4096)   # 4 pairs of pages
     tier = FilesystemTier(tmp_path, LAYOUT)
     write_packed(tier, range(40))
     wanted = [i for i in range(40) if i != 20]                            # a gap splits a run too
     assert all(read_all(tier, wanted))
     assert tier.stats["read_requests"] == 10 and tier.stats["reads"] == 78   # 4+4+4+4+4, 4+4+4+4+3 pairs
     tier.close()
+
+
+ODD_PAGES = layout_from_dict({
+    "model": "odd-pages", "block_tokens": 16, "max_model_len": 4096,
+    "groups": [{"id": 0, "kind": "attention", "page_bytes": 5000},
+               {"id": 1, "kind": "state", "page_bytes": 12288}],
+})
+
+
+@pytest.mark.parametrize("layout", [LAYOUT, ODD_PAGES], ids=["4k-pages", "odd-pages"])
+@pytest.mark.parametrize("slots", ["aligned", "unaligned"])
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
+def test_packed_pages_land_in_their_slots_whatever_the_alignment(tmp_path, layout, slots, direct):
+    """O_DIRECT reads land in the slots themselves when those are whole 4 KiB blocks and go
+    through an aligned buffer otherwise; buffered reads scatter into any slots, the padding
+    between pages into a scratch buffer. Every way, one request and the right bytes."""
+    rng = np.random.default_rng(7)
+    pages = {(g, i): rng.integers(0, 256, layout.group(g).page_bytes, dtype=np.uint8)
+             for i in range(6) for g in (0, 1)}
+    writer = FilesystemTier(tmp_path, layout)
+    futures = writer.submit_writes([(g, key(i), payload) for (g, i), payload in pages.items()])
+    writer.flush()
+    assert all(f.result(timeout=30) for f in futures)
+    writer.close()
+    tier = FilesystemTier(tmp_path, layout, direct=direct)
+    assert tier.wait_scanned(30)
+    region = np.frombuffer(mmap.mmap(-1, 1 << 20), np.uint8)
+    at, items = (0 if slots == "aligned" else 1), []
+    for (g, i), payload in pages.items():
+        items.append((g, key(i), region[at: at + payload.nbytes]))
+        at += packfile.aligned(payload.nbytes)
+    assert [f.result(timeout=30) for f in tier.submit_reads(items)] == [True] * len(items)
+    for (g, k, out) in items:
+        assert np.array_equal(out, pages[(g, int.from_bytes(k, "big"))])
+    assert tier.stats["read_requests"] == 1 and tier.stats["corrupt"] == 0
+    tier.close()
+
+
+@pytest.mark.parametrize("entries", [
+    [(0, 8192), (4096, 100)],          # overlapping
+    [(4096, 100), (0, 100)],           # out of file order
+    [(100, 100)],                      # not on a 4 KiB boundary
+    [(16384, 100)],                    # past the payloads, into the table
+], ids=["overlap", "order", "unaligned", "outside"])
+def test_a_table_whose_pages_overlap_or_stray_is_refused(entries):
+    table = packfile.encode_table([packfile.PackEntry(0, key(n), offset, length, 0)
+                                   for n, (offset, length) in enumerate(entries)])
+    blob = bytes(16384) + table
+    with pytest.raises(CorruptPage, match="out of range"):
+        packfile.parse_table(blob, len(blob))
 
 
 def test_held_pages_are_written_at_flush(tmp_path, monkeypatch):
@@ -148,7 +201,7 @@ def test_a_damaged_pack_is_quarantined_and_none_of_its_pages_served(tmp_path, wh
     write_packed(tier, range(6))
     path, offset = tier.locate(1, key(2))
     tier.close()
-    flip(path, offset + pagefile.HEADER_BYTES + 7 if where == "page" else os.path.getsize(path) - 20)
+    flip(path, offset + 7 if where == "page" else os.path.getsize(path) - 20)
     again = FilesystemTier(tmp_path, LAYOUT)
     assert again.wait_scanned(30)
     assert read_all(again, [2])[1] is False          # read_all checks every page it served
@@ -169,7 +222,7 @@ def test_admin_commands_inspect_verify_and_collect_packs(tmp_path):
     assert ns["packs"] == {"files": 2, "bytes": sum(p.stat().st_size for p in packs(tier)), "pages": 20}
     assert [g["packed_pages"] for g in ns["groups"]] == [10, 10]
     assert verify_store(tmp_path, progress=False) == {"checked": 2, "ok": 2, "corrupt": 0, "quarantined": 0}
-    flip(path, offset + pagefile.HEADER_BYTES)
+    flip(path, offset)
     assert verify_store(tmp_path, progress=False) == {"checked": 2, "ok": 1, "corrupt": 1, "quarantined": 1}
     assert gc_store(tmp_path, 0, progress=False)["removed_files"] == 1 and not packs(tier)
 

@@ -124,7 +124,7 @@ def inspect_store(store: str | Path) -> dict:
                     os.close(fd)
             except (OSError, pagefile.CorruptPage):
                 continue                     # verify reports and quarantines it
-            for group, _, _ in table:
+            for group, *_ in table:
                 packs["pages"] += 1
                 g = _group_record(groups, kinds, group)
                 g["packed_pages"] = g.get("packed_pages", 0) + 1
@@ -165,9 +165,9 @@ def verify_store(store: str | Path, progress: bool = True) -> dict:
 def _verify_pack(path: Path) -> None:
     """Raise CorruptPage unless the pack's table and every page in it verify."""
     blob, table = _read_pack(path)
-    for group, key, offset in table:
-        length = pagefile.parse_header(blob[offset: offset + pagefile.HEADER_BYTES], group, key)
-        pagefile.decode(blob[offset: offset + pagefile.HEADER_BYTES + length], group, key)
+    for entry in table:
+        if pagefile.checksum(blob[entry.offset: entry.offset + entry.length]) != entry.checksum:
+            raise pagefile.CorruptPage(f"payload checksum mismatch at offset {entry.offset}")
 
 
 def gc_store(store: str | Path, max_bytes: int, progress: bool = True) -> dict:

@@ -47,24 +47,28 @@ PACKS = "packs"
 PACK_MAX_PAGE = 1 << 20     # pages up to this size are packed; larger ones read at disk speed alone
 PACK_BYTES = 8 << 20        # a pack is written once its pages reach this size,
 PACK_LINGER_S = 1.0         # or this long after its first page, or at a flush (a request ended)
-RUN_BYTES = 4 << 20         # the largest read of adjacent packed pages in one request
+RUN_BYTES = 4 << 20         # the largest read of adjacent packed pages in one request,
+RUN_PAGES = 512             # and its most pages (a page and its padding: two of IOV_MAX 1024)
 PACK_INDEX_WAIT_S = 1.0     # a lookup at start-up waits this long for the pack tables, then misses
 
 
 class Pack:
-    """A pack file as the index knows it: its size on disk and the pages still served from it.
+    """A pack file as the index knows it: its size on disk, where each page lies in it and
+    its checksum (from the table, 16 B a page), and the pages still served from it.
 
     A page stored again elsewhere leaves its old pack. A pack left with no page is removed at
     once if this process wrote it; one another process wrote may still serve that process,
     so it stays until the quota needs room, and goes first then."""
 
-    __slots__ = ("name", "nbytes", "live", "mine")
+    __slots__ = ("name", "nbytes", "offsets", "checksums", "live", "mine")
 
-    def __init__(self, name: str, nbytes: int, mine: bool = False):
+    def __init__(self, name: str, nbytes: int, table: list[packfile.PackEntry], mine: bool = False):
         self.name, self.nbytes, self.live, self.mine = name, nbytes, set(), mine
+        self.offsets = array("Q", [e.offset for e in table])
+        self.checksums = array("Q", [e.checksum for e in table])
 
 
-# An index entry: the bytes of a page file, or the pack and offset of a packed page.
+# An index entry: the bytes of a page file, or a pack and the page's entry in its table.
 Where = int | tuple[Pack, int]
 
 
@@ -302,10 +306,10 @@ class FilesystemTier(SecondaryTier):
         with self._lock:                       # not those phase one found wholly stored elsewhere
             packed = [found for found in packed if self._packs.get(found[0].name) is found[0]]
         for pack, table, mtime in packed:
-            for group, key, offset in table:
+            for entry, (group, key, *_) in enumerate(table):
                 mtimes.append(mtime)
                 idents.append(_ident(group, key))
-                wheres.append((pack, offset))
+                wheres.append((pack, entry))
         order = np.argsort(np.frombuffer(mtimes, np.int64), kind="stable") if idents else []
         scanned: OrderedDict[bytes, Where] = OrderedDict()
         for i in order:                        # a page stored twice: the newest copy serves
@@ -398,7 +402,7 @@ class FilesystemTier(SecondaryTier):
             return None
         if table is None:
             return None
-        return Pack(name, st.st_size), table, st.st_mtime_ns
+        return Pack(name, st.st_size, table), table, st.st_mtime_ns
 
     def _quarantine_pack(self, path: str, error: Exception) -> bool:
         moved = not self.read_only and quarantine(self.namespace, Path(path), self.dirs)
@@ -472,11 +476,11 @@ class FilesystemTier(SecondaryTier):
         self._packs[pack.name] = pack
         self._bytes += pack.nbytes
         dead = []
-        for group, key, offset in table:
+        for entry, (group, key, *_) in enumerate(table):
             ident = _ident(group, key)
             if newest or ident not in self._index:
                 self._bad.discard(ident)
-                dead += self._put(ident, (pack, offset), fresh)
+                dead += self._put(ident, (pack, entry), fresh)
         return dead + self._bury(pack)
 
     def _remove(self, paths: list[str]) -> None:
@@ -492,6 +496,10 @@ class FilesystemTier(SecondaryTier):
 
     def contains_many(self, group: int, keys) -> list[bool]:
         idents = [_ident(group, k) for k in keys]
+        # The scan reads the pack tables first: milliseconds for most stores, seconds for
+        # millions of pages, where a miss (recompute) beats a long wait. Waiting before the
+        # stats below spares one per packed page.
+        self.packs_indexed.wait(PACK_INDEX_WAIT_S)
         with self._lock:
             found = [i in self._index for i in idents]
             unknown = [n for n, ok in enumerate(found) if not ok and idents[n] not in self._bad]
@@ -504,9 +512,6 @@ class FilesystemTier(SecondaryTier):
                         self._put(idents[n], self._size(size))
                 found[n] = True
         if not all(found):
-            # The scan reads the pack tables first: milliseconds for most stores, seconds for
-            # millions of pages, where a miss (recompute) beats a long wait.
-            self.packs_indexed.wait(PACK_INDEX_WAIT_S)
             self._list_new_packs()
             with self._lock:
                 found = [ok or i in self._index for i, ok in zip(idents, found, strict=True)]
@@ -536,14 +541,14 @@ class FilesystemTier(SecondaryTier):
                         self._add_pack(pack, table, newest=False)
 
     def locate(self, group: int, key: bytes) -> tuple[str, int] | None:
-        """The file holding a page and the offset of its header there (tools, tests)."""
+        """The file holding a page and the offset of its payload there (tools, tests)."""
         if not self.contains(group, key):
             return None
         with self._lock:
             where = self._index.get(_ident(group, key))
         if isinstance(where, tuple):
-            return f"{self._packs_dir}/{where[0].name}", where[1]
-        return page_file(self._namespace_str, group, key), 0
+            return f"{self._packs_dir}/{where[0].name}", where[0].offsets[where[1]]
+        return page_file(self._namespace_str, group, key), pagefile.HEADER_BYTES
 
     def indexed_pages(self) -> int:
         return len(self._index)
@@ -609,16 +614,19 @@ class FilesystemTier(SecondaryTier):
         return results
 
     def read_run(self, pack: Pack, pages: list[tuple[int, ReadItem]]) -> list[bool]:
-        """Read adjacent pages of a pack (offset, item), in offset order, in one request."""
-        start = pages[0][0]
-        end = pages[-1][0] + packfile.page_span(pages[-1][1][2].nbytes)
+        """Read adjacent pages of a pack ((entry, item) in file order) in one request:
+        straight into their RAM slots where ``O_DIRECT`` allows (slots and pages in whole
+        4 KiB) or the store is read buffered, else through an aligned buffer and a copy."""
+        offsets, outs = pack.offsets, [out for _, (_, _, out) in pages]
+        start = offsets[pages[0][0]]
+        size = offsets[pages[-1][0]] + packfile.aligned(outs[-1].nbytes) - start
+        into_slots = not self.direct or all(_whole_blocks(out) for out in outs)
+        buf = None if into_slots else memoryview(self._aligned(size))[:size]
         path = f"{self._packs_dir}/{pack.name}"
-        buf = self._aligned(end - start)
         try:
             fd = open_page(path, os.O_RDONLY | (os.O_DIRECT if self.direct else 0))
             try:
-                with memoryview(buf) as view:
-                    got = os.preadv(fd, [view[: end - start]], start)
+                got = os.preadv(fd, self._slot_vectors(outs) if buf is None else [buf], start)
             finally:
                 os.close(fd)
         except FileNotFoundError:            # another process evicted it
@@ -630,19 +638,19 @@ class FilesystemTier(SecondaryTier):
                 self.stats["read_errors"] += 1
             return [False] * len(pages)
         results, damage = [], None
-        with memoryview(buf) as view:
-            for offset, (group, key, out) in pages:
-                at = offset - start
-                try:
-                    if got < at + pagefile.HEADER_BYTES + out.nbytes:
-                        raise pagefile.CorruptPage("pack shorter than its table says")
-                    body = view[at + pagefile.HEADER_BYTES: at + pagefile.HEADER_BYTES + out.nbytes]
-                    pagefile.verify(bytes(view[at: at + pagefile.HEADER_BYTES]), body, group, key)
-                    np.copyto(out, np.frombuffer(body, np.uint8))
+        for entry, (_, _, out) in pages:
+            at = offsets[entry] - start
+            if got < at + out.nbytes:
+                damage = damage or pagefile.CorruptPage("pack shorter than its table says")
+            else:
+                if buf is not None:
+                    np.copyto(out, np.frombuffer(buf, np.uint8, out.nbytes, at))
+                if pagefile.checksum(out) != pack.checksums[entry]:
+                    damage = damage or pagefile.CorruptPage("payload checksum mismatch")
+                else:
                     results.append(True)
-                except pagefile.CorruptPage as e:
-                    damage = damage or e
-                    results.append(False)
+                    continue
+            results.append(False)
         if damage is not None:               # never serve from a damaged file again
             if not self._quarantine_pack(path, damage):
                 with self._lock:
@@ -652,6 +660,20 @@ class FilesystemTier(SecondaryTier):
         if any(results):
             self._refresh_mtimes([path])
         return results
+
+    def _slot_vectors(self, outs: list[np.ndarray]) -> list:
+        """The slots of a run as one scatter list; the padding between pages lands in a
+        scratch buffer."""
+        scratch = getattr(self._local, "scratch", None)
+        if scratch is None:
+            scratch = self._local.scratch = memoryview(mmap.mmap(-1, packfile.ALIGN))
+        vectors = []
+        for out in outs:
+            vectors.append(out)
+            pad = packfile.aligned(out.nbytes) - out.nbytes
+            if pad:
+                vectors.append(scratch[:pad])
+        return vectors
 
     def _refresh_mtimes(self, paths: list[str]) -> None:
         """Touch the files read, in the background: recency survives a restart, and the inode
@@ -706,8 +728,8 @@ class FilesystemTier(SecondaryTier):
                 else:
                     files.append(n)
         for pack, located in by_pack.items():
-            for run in _runs(sorted(located), items):
-                batch = self._io.submit(READ, self.read_run, pack, [(at, items[n]) for at, n in run])
+            for run in _runs(pack, sorted(located), items):
+                batch = self._io.submit(READ, self.read_run, pack, [(entry, items[n]) for entry, n in run])
                 for (_, n), future in zip(run, fan_out(batch, len(run)), strict=True):
                     futures[n] = future
         shares = min(self._io.threads, len(files))
@@ -765,7 +787,7 @@ class FilesystemTier(SecondaryTier):
                 tmp.unlink()
             self._write_failed(path, e)
             return False
-        pack = Pack(name, sum(len(memoryview(b).cast("B")) for b in buffers), mine=True)
+        pack = Pack(name, sum(len(memoryview(b).cast("B")) for b in buffers), table, mine=True)
         with self._lock:
             dead = self._add_pack(pack, table, newest=True)
             self.stats["writes"] += len(pages)
@@ -942,19 +964,24 @@ class FilesystemTier(SecondaryTier):
         self._io.close()
 
 
-def _runs(located: list[tuple[int, int]], items: Sequence[ReadItem]) -> list[list[tuple[int, int]]]:
-    """Split (offset, item index) pairs, in offset order, into runs of adjacent pages of at
-    most ``RUN_BYTES`` each."""
+def _runs(pack: Pack, located: list[tuple[int, int]], items: Sequence[ReadItem]) -> list[list[tuple[int, int]]]:
+    """Split (entry, item index) pairs of one pack, in file order, into runs of adjacent
+    pages of at most ``RUN_BYTES`` and ``RUN_PAGES`` each."""
     runs: list[list[tuple[int, int]]] = []
     end = size = -1
-    for offset, n in located:
-        span = packfile.page_span(items[n][2].nbytes)
-        if offset != end or size + span > RUN_BYTES:
+    for entry, n in located:
+        offset, span = pack.offsets[entry], packfile.aligned(items[n][2].nbytes)
+        if offset != end or size + span > RUN_BYTES or len(runs[-1]) == RUN_PAGES:
             runs.append([])
             size = 0
-        runs[-1].append((offset, n))
+        runs[-1].append((entry, n))
         end, size = offset + span, size + span
     return runs
+
+
+def _whole_blocks(out: np.ndarray) -> bool:
+    """Whether ``O_DIRECT`` may read into ``out`` itself: aligned start, whole blocks."""
+    return out.ctypes.data % ALIGN == 0 and out.nbytes % ALIGN == 0
 
 
 def _touch(paths: list[str]) -> None:

@@ -24,14 +24,14 @@ class CorruptPage(Exception):
     """The bytes are not a valid page for the requested (group, key)."""
 
 
-def _checksum(payload) -> int:
+def checksum(payload) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 
 
 def make_header(group: int, key: bytes, payload) -> bytes:
     if len(key) > MAX_KEY:
         raise ValueError(f"key of {len(key)} bytes is longer than {MAX_KEY}")
-    body = _LAYOUT.pack(MAGIC, VERSION, len(key), group, key, len(payload), _checksum(payload))
+    body = _LAYOUT.pack(MAGIC, VERSION, len(key), group, key, len(payload), checksum(payload))
     head = body + _CRC.pack(zlib.crc32(body))
     return head + b"\0" * (HEADER_BYTES - len(head))
 
@@ -63,7 +63,7 @@ def verify(header: bytes, payload, group: int, key: bytes) -> None:
     length = parse_header(header, group, key)
     if len(payload) != length:
         raise CorruptPage(f"payload has {len(payload)} bytes, header says {length}")
-    if _checksum(payload) != payload_checksum(header):
+    if checksum(payload) != payload_checksum(header):
         raise CorruptPage("payload checksum mismatch")
 
 

@@ -70,10 +70,9 @@ def stored_payload(store: Path, group: int, key: bytes) -> tuple[Path, int, int]
     for pack in (layout_dir / "packs").glob(f"*{packfile.SUFFIX}"):
         fd = os.open(pack, os.O_RDONLY)
         try:
-            for g, k, offset in packfile.read_table(fd):
-                if (g, k) == (group, key):
-                    length = pagefile.parse_header(os.pread(fd, pagefile.HEADER_BYTES, offset), g, k)
-                    return pack, offset + pagefile.HEADER_BYTES, length
+            for entry in packfile.read_table(fd):
+                if (entry.group, entry.key) == (group, key):
+                    return pack, entry.offset, entry.length
         finally:
             os.close(fd)
     raise FileNotFoundError(f"page {key.hex()} of group {group} is not in {store}")
