@@ -1,9 +1,10 @@
 """The persistent filesystem tier: self-checking pages in page files and pack files.
 
-A large page has a file of its own, ``root/<fingerprint>/g<group>/<2 hex>/<key hex>.blk``.
-Small pages (up to ``PACK_MAX_PAGE``) written close together share a pack file,
-``root/<fingerprint>/packs/<id>.pack`` (``packfile``), so a restore reads them in a few
-large requests instead of one small request per page. Every file is written under a temp
+Pages written close together share a pack file, ``root/<fingerprint>/packs/<id>.pack``
+(``packfile``), so a restore reads them in a few large requests, straight into the RAM
+slots, instead of one small request per page. A page larger than ``PACK_MAX_PAGE``, or one
+written alone (``write``), has a file of its own,
+``root/<fingerprint>/g<group>/<2 hex>/<key hex>.blk``. Every file is written under a temp
 name and renamed into place, so a reader never sees a partial page, also across processes
 and after ``kill -9``. Files that fail verification are quarantined and counted, never
 served. A store this process cannot write (a read-only mount, another user's files) is
@@ -44,7 +45,7 @@ ALIGN = 4096
 MANIFEST = "manifest.json"
 QUARANTINE = "quarantine"
 PACKS = "packs"
-PACK_MAX_PAGE = 1 << 20     # pages up to this size are packed; larger ones read at disk speed alone
+PACK_MAX_PAGE = 16 << 20    # pages up to this size are packed (a 10 MiB page read 0.78x raw from its own file, 1.1x packed)
 PACK_BYTES = 8 << 20        # a pack is written once its pages reach this size,
 PACK_LINGER_S = 1.0         # or this long after its first page, or at a flush (a request ended)
 RUN_BYTES = 4 << 20         # the largest read of adjacent packed pages in one request,
@@ -838,8 +839,8 @@ class FilesystemTier(SecondaryTier):
                 os.close(dir_fd)
 
     def submit_writes(self, items: Sequence[tuple[int, bytes, object]]) -> list[Future]:
-        """Large pages are written to files of their own at once; small ones wait (at most
-        ``PACK_LINGER_S``, or until ``flush``) to share a pack with the pages after them."""
+        """Pages wait (at most ``PACK_LINGER_S``, or until ``flush``) to share a pack with the
+        pages after them; pages over ``PACK_MAX_PAGE`` are written to files of their own."""
         futures, held, held_bytes = [], [], 0
         for group, key, payload in items:
             nbytes = memoryview(payload).nbytes

@@ -155,7 +155,7 @@ def bench_fs(directory: str | None = None, page_bytes: int = 4 * MiB, pages: int
     return result
 
 
-def bench_fs_batch(page_sizes: tuple[int, ...] = (32 * 1024, 256 * 1024, 2 * MiB),
+def bench_fs_batch(page_sizes: tuple[int, ...] = (32 * 1024, 256 * 1024, 2 * MiB, 10 * MiB),
                    total_bytes: int = 64 * MiB, repeats: int = 5) -> list[dict]:
     """Batched reads as a promotion does them (``submit_reads``: verified, copied into the
     destination pages) vs raw reads of the very same files the way the tier reads them, and

@@ -84,9 +84,9 @@ def tables(res: dict) -> str:
             add(f"| {row['page_bytes'] // 1024} KiB | {row['pages']} | {_r(row['read_gbps'])} | "
                 f"{_r(row['raw_read_gbps'])} | {row['ratio']:.2f}x | {_r(per_file)} | {gain} |")
         add(f"\nAll read with 4 threads, {res['fs_batch'][0]['mode']} I/O; the tier also verifies every "
-            "page and copies it into its destination. Pages up to 1 MiB are stored in packs (many pages "
-            "a file, read in runs of up to 4 MiB), larger ones a file each; the last column is the "
-            "ceiling of one file per page, the layout small pages had before packs.\n")
+            "page. The pages are stored in packs (many pages a file, read in runs of up to 4 MiB "
+            "straight into page-aligned destinations, as RAM slots are); the last column is the "
+            "ceiling of one file per page, the layout pages had before packs.\n")
     if "fs_startup" in res:
         st = res["fs_startup"]
         _table(add, f"Opening a store of {st['pages']:,} page files",
