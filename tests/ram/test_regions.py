@@ -2,11 +2,7 @@
 
 import json
 import os
-import resource
-import shutil
 import signal
-import tempfile
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -107,33 +103,3 @@ def test_region_larger_than_free_space_fails_clearly(tmp_path):
     with pytest.raises(HybridKVError, match="lower ram_bytes"):
         SharedRegion.create(tmp_path / "hybridkv-huge", 1 << 20, 1 << 30)
     assert not list(tmp_path.iterdir())
-
-
-@pytest.fixture
-def shm_dir():
-    directory = tempfile.mkdtemp(dir="/dev/shm", prefix="hybridkv-test-")
-    yield Path(directory)
-    shutil.rmtree(directory)
-
-
-def test_a_region_on_a_tmpfs_is_mapped_in_ahead_of_use_so_first_writes_do_not_fault(shm_dir):
-    region = SharedRegion.create(shm_dir / "hybridkv-populated", 256, 65536)     # 16 MiB, 4,096 pages
-    assert region.populated.wait(30)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    region.array[:, ::4096] = 1                  # one byte in every 4 KiB page
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-    region.close()
-    assert faults < 256                          # would be ~4,096 without populating
-
-
-def test_closing_a_region_while_it_is_mapped_in_stops_at_once(shm_dir):
-    region = SharedRegion.create(shm_dir / "hybridkv-closing", 1024, 1 << 20)    # 1 GiB
-    region.close()
-    assert not region.populated.is_set() and not (shm_dir / "hybridkv-closing").exists()
-
-
-def test_a_region_on_a_disk_is_not_mapped_in_ahead(tmp_path):
-    """Populating a file on a disk would dirty every page of it at once."""
-    region = SharedRegion.create(tmp_path / "hybridkv-on-disk", 4, 4096)
-    assert not region.populated.wait(0.2)
-    region.close()

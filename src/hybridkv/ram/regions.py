@@ -10,13 +10,11 @@ the same thing in every container that shares the directory.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
 import json
 import mmap
 import os
 import tempfile
-import threading
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -26,10 +24,6 @@ import numpy as np
 from hybridkv.core.errors import HybridKVError
 
 PinHook = Callable[["SharedRegion"], None]
-
-MADV_POPULATE_WRITE = 23        # Linux 5.14+; older kernels refuse it and pages fault on first use
-POPULATE_CHUNK = 16 << 20       # per call: close() waits for at most one
-_libc = ctypes.CDLL(None, use_errno=True)   # ctypes calls run without the GIL
 
 
 def process_start_time(pid: int) -> int | None:
@@ -74,24 +68,6 @@ class SharedRegion:
         self._unlinker = None
         if owner:
             self.take_ownership()
-        self.populated = threading.Event()
-        self._stop_populating = threading.Event()
-        self._populator: threading.Thread | None = None
-        if on_tmpfs(path):
-            self._populator = threading.Thread(target=self._populate, daemon=True, name="hybridkv-populate")
-            self._populator.start()
-
-    def _populate(self) -> None:
-        """Map the region's pages into this process ahead of use, slot 0 first (the order
-        slots are handed out). Faulting them in one by one on the request path cost ~2 us a
-        4 KiB page here: 4,000 faults in a first 16 MB restore from disk. Only on a tmpfs:
-        on a disk it would dirty every page of the region at once."""
-        base = self.array.ctypes.data
-        for at in range(0, self.nbytes, POPULATE_CHUNK):
-            if self._stop_populating.is_set() or _libc.madvise(
-                    ctypes.c_void_p(base + at), min(POPULATE_CHUNK, self.nbytes - at), MADV_POPULATE_WRITE):
-                return
-        self.populated.set()
 
     @property
     def nbytes(self) -> int:
@@ -187,9 +163,6 @@ class SharedRegion:
     def close(self) -> None:
         if self._map is None:
             return
-        self._stop_populating.set()
-        if self._populator not in (None, threading.current_thread()):
-            self._populator.join()    # it must not advise a range that is unmapped or reused
         self.array = None
         with contextlib.suppress(BufferError):  # a view still alive keeps the mapping
             self._map.close()
@@ -216,18 +189,6 @@ class PagelessRegion:
 
     def close(self) -> None:
         """Nothing to release."""
-
-
-def on_tmpfs(path: Path) -> bool:
-    """Whether ``path`` lies on a tmpfs (the mount with the longest matching prefix)."""
-    path, best, fstype = os.path.realpath(path), "", ""
-    with contextlib.suppress(OSError), open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            mount = fields[4].replace("\\040", " ")
-            if os.path.commonpath([path, mount]) == mount and len(mount) >= len(best):
-                best, fstype = mount, fields[fields.index("-") + 1]
-    return fstype == "tmpfs"
 
 
 def _unlink_region(path: Path, lease_fd: int) -> None:
