@@ -111,8 +111,8 @@ def test_packed_pages_land_in_their_slots_whatever_the_alignment(tmp_path, layou
     [(16384, 100)],                    # past the payloads, into the table
 ], ids=["overlap", "order", "unaligned", "outside"])
 def test_a_table_whose_pages_overlap_or_stray_is_refused(entries):
-    table = packfile.encode_table([packfile.PackEntry(0, key(n), offset, length, 0)
-                                   for n, (offset, length) in enumerate(entries)])
+    table = packfile.encode_table(packfile.make_table([(0, key(n), offset, length, 0)
+                                                       for n, (offset, length) in enumerate(entries)]))
     blob = bytes(16384) + table
     with pytest.raises(CorruptPage, match="out of range"):
         packfile.parse_table(blob, len(blob))
@@ -249,3 +249,20 @@ def test_a_lookup_waits_for_the_pack_tables_only_so_long(tmp_path, monkeypatch):
     held.go.set()
     assert held.packs_indexed.wait(30) and held.contains(0, key(1))
     held.close()
+
+
+def test_keys_of_mixed_lengths_and_trailing_zero_bytes_survive_a_restart(tmp_path):
+    """Tables are parsed as arrays of fixed 32-byte key fields: a key's own length decides."""
+    keys = [b"\x07\x00", b"\x07", b"\x00" * 16, b"k" * 32, b"\x01\x00\x00"]
+    tier = FilesystemTier(tmp_path, LAYOUT)
+    futures = tier.submit_writes([(0, k, page(0, n)) for n, k in enumerate(keys)])
+    tier.flush()
+    assert all(f.result(timeout=30) for f in futures)
+    tier.close()
+    again = FilesystemTier(tmp_path, LAYOUT)
+    assert again.contains_many(0, keys) == [True] * len(keys)
+    assert not again.contains(0, b"\x07\x00\x00")
+    for n, k in enumerate(keys):
+        out = np.empty(4096, np.uint8)
+        assert again.read(0, k, out) and np.array_equal(out, page(0, n))
+    again.close()

@@ -14,6 +14,7 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
 from hybridkv.tiers import packfile, pagefile
@@ -85,7 +86,7 @@ def _packs(namespace: Path, dirs: StoreDirs) -> Iterator[tuple[Path, os.stat_res
             yield path, st
 
 
-def _read_pack(path: Path) -> tuple[bytes, list[packfile.PackEntry]]:
+def _read_pack(path: Path) -> tuple[bytes, np.ndarray]:
     with os.fdopen(open_page(path, os.O_RDONLY), "rb") as f:
         blob = f.read()
     return blob, packfile.parse_table(blob, len(blob))
@@ -124,10 +125,10 @@ def inspect_store(store: str | Path) -> dict:
                     os.close(fd)
             except (OSError, pagefile.CorruptPage):
                 continue                     # verify reports and quarantines it
-            for group, *_ in table:
-                packs["pages"] += 1
-                g = _group_record(groups, kinds, group)
-                g["packed_pages"] = g.get("packed_pages", 0) + 1
+            packs["pages"] += len(table)
+            for group, count in zip(*np.unique(table["group"], return_counts=True), strict=True):
+                g = _group_record(groups, kinds, int(group))
+                g["packed_pages"] = g.get("packed_pages", 0) + int(count)
         qdir = ns / QUARANTINE
         quarantined = sum(1 for _ in qdir.iterdir()) if os.path.lexists(qdir) and _is_dir(qdir) else 0
         total = sum(g["bytes"] for g in groups.values()) + packs["bytes"]
@@ -165,9 +166,9 @@ def verify_store(store: str | Path, progress: bool = True) -> dict:
 def _verify_pack(path: Path) -> None:
     """Raise CorruptPage unless the pack's table and every page in it verify."""
     blob, table = _read_pack(path)
-    for entry in table:
-        if pagefile.checksum(blob[entry.offset: entry.offset + entry.length]) != entry.checksum:
-            raise pagefile.CorruptPage(f"payload checksum mismatch at offset {entry.offset}")
+    for offset, length, checksum in zip(*(table[f].tolist() for f in ("offset", "length", "checksum")), strict=True):
+        if pagefile.checksum(blob[offset: offset + length]) != checksum:
+            raise pagefile.CorruptPage(f"payload checksum mismatch at offset {offset}")
 
 
 def gc_store(store: str | Path, max_bytes: int, progress: bool = True) -> dict:

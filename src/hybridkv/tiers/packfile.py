@@ -12,7 +12,8 @@ count, the table's crc32 and a magic. The table is read once, when a store opens
 keeps offsets and checksums), so a read moves payload bytes only: with ``O_DIRECT``, from
 the disk straight into the RAM slots, adjacent pages in one request. A pack is written under
 a temp name and renamed into place, so it is whole or absent; every page is still checked
-against its checksum when read.
+against its checksum when read. Tables are parsed and checked as numpy arrays: a store of a
+million pages has a million entries to read before it serves them.
 """
 
 from __future__ import annotations
@@ -20,54 +21,71 @@ from __future__ import annotations
 import os
 import struct
 import zlib
-from typing import NamedTuple
+
+import numpy as np
 
 from hybridkv.tiers import pagefile
 
 ALIGN = 4096
 SUFFIX = ".pack"
-_ENTRY = struct.Struct("<HB32sQIQ")               # group keylen key offset length xxh3
+ENTRY = np.dtype([("group", "<u2"), ("key_len", "u1"), ("key", "u1", (pagefile.MAX_KEY,)),
+                  ("offset", "<u8"), ("length", "<u4"), ("checksum", "<u8")])   # 55 B, unpadded
 _TRAILER = struct.Struct("<4sHII")                # magic version count table-crc32
 MAGIC = b"HKVT"
 VERSION = 2
-
-
-class PackEntry(NamedTuple):
-    group: int
-    key: bytes
-    offset: int           # of the payload, a multiple of ALIGN
-    length: int
-    checksum: int         # xxh3-64 of the payload
 
 
 def aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
-def encode(pages: list[tuple[int, bytes, object]]) -> tuple[list, list[PackEntry]]:
-    """The buffers of a pack holding ``pages`` (group, key, payload), in file order, and the
-    entries of its table."""
-    buffers, entries, offset = [], [], 0
+def make_table(rows: list[tuple[int, bytes, int, int, int]]) -> np.ndarray:
+    """A table (an ``ENTRY`` array) from (group, key, offset, length, xxh3) rows."""
+    table = np.zeros(len(rows), ENTRY)
+    if not rows:
+        return table
+    groups, keys, offsets, lengths, checksums = zip(*rows, strict=True)
+    key_lens = [len(key) for key in keys]
+    if max(key_lens) > pagefile.MAX_KEY:
+        raise ValueError(f"key of {max(key_lens)} bytes is longer than {pagefile.MAX_KEY}")
+    table["group"], table["key_len"], table["offset"] = groups, key_lens, offsets
+    table["length"], table["checksum"] = lengths, checksums
+    if min(key_lens) == max(key_lens) > 0:  # the usual case: one key size, one copy
+        table["key"][:, : key_lens[0]] = np.frombuffer(b"".join(keys), np.uint8).reshape(len(keys), -1)
+    else:
+        for i, key in enumerate(keys):
+            table["key"][i, : len(key)] = np.frombuffer(key, np.uint8)
+    return table
+
+
+def key_of(table: np.ndarray, i: int) -> bytes:
+    """The key of entry ``i``."""
+    return table["key"][i, : table["key_len"][i]].tobytes()
+
+
+def encode(pages: list[tuple[int, bytes, object]]) -> tuple[list, np.ndarray]:
+    """The buffers of a pack holding ``pages`` (group, key, payload), in file order, and its
+    table."""
+    buffers, rows, offset = [], [], 0
     for group, key, payload in pages:
-        if len(key) > pagefile.MAX_KEY:
-            raise ValueError(f"key of {len(key)} bytes is longer than {pagefile.MAX_KEY}")
         data = memoryview(payload).cast("B")
         buffers += [data, bytes(aligned(len(data)) - len(data))]
-        entries.append(PackEntry(group, key, offset, len(data), pagefile.checksum(data)))
+        rows.append((group, key, offset, len(data), pagefile.checksum(data)))
         offset += aligned(len(data))
-    buffers.append(encode_table(entries))
-    return buffers, entries
+    table = make_table(rows)
+    buffers.append(encode_table(table))
+    return buffers, table
 
 
-def encode_table(entries: list[PackEntry]) -> bytes:
-    """The table and trailer that end a pack holding ``entries``."""
-    table = b"".join(_ENTRY.pack(e.group, len(e.key), e.key, e.offset, e.length, e.checksum) for e in entries)
-    return table + _TRAILER.pack(MAGIC, VERSION, len(entries), zlib.crc32(table))
+def encode_table(table: np.ndarray) -> bytes:
+    """The table and trailer that end a pack."""
+    body = table.tobytes()
+    return body + _TRAILER.pack(MAGIC, VERSION, len(table), zlib.crc32(body))
 
 
 def table_bytes(count: int) -> int:
     """Bytes of the table and trailer of a pack of ``count`` pages."""
-    return count * _ENTRY.size + _TRAILER.size
+    return count * ENTRY.itemsize + _TRAILER.size
 
 
 def parse_trailer(tail: bytes) -> int:
@@ -82,27 +100,29 @@ def parse_trailer(tail: bytes) -> int:
     return count
 
 
-def parse_table(tail: bytes, file_bytes: int) -> list[PackEntry]:
-    """The entries of a pack from its last ``table_bytes(count)`` bytes, checked: the crc,
+def parse_table(tail: bytes, file_bytes: int) -> np.ndarray:
+    """The table of a pack from its last ``table_bytes(count)`` bytes, checked: the crc,
     and every payload aligned, after the one before it and before the table."""
     count = parse_trailer(tail)
     want = table_bytes(count)
     if len(tail) < want:
         raise pagefile.CorruptPage("pack table truncated")
-    table = tail[len(tail) - want: len(tail) - _TRAILER.size]
-    if zlib.crc32(table) != _TRAILER.unpack(tail[-_TRAILER.size:])[3]:
+    body = tail[len(tail) - want: len(tail) - _TRAILER.size]
+    if zlib.crc32(body) != _TRAILER.unpack(tail[-_TRAILER.size:])[3]:
         raise pagefile.CorruptPage("pack table checksum mismatch")
-    free, payloads_end = 0, file_bytes - want      # payloads lie in file order, apart
-    entries = []
-    for group, key_len, key, offset, length, checksum in _ENTRY.iter_unpack(table):
-        if offset % ALIGN or offset < free or offset + length > payloads_end or key_len > pagefile.MAX_KEY:
-            raise pagefile.CorruptPage("pack table entry out of range")
-        free = offset + length
-        entries.append(PackEntry(group, key[:key_len], offset, length, checksum))
-    return entries
+    table = np.frombuffer(body, ENTRY)
+    offsets, lengths = table["offset"], table["length"].astype(np.uint64)
+    room = np.uint64(file_bytes - want)                # payloads lie in file order, apart
+    past = offsets > room
+    bad = past | (lengths > np.where(past, 0, room - offsets)) | (offsets % ALIGN != 0)
+    bad |= table["key_len"] > pagefile.MAX_KEY
+    bad[1:] |= offsets[1:] < offsets[:-1] + lengths[:-1]
+    if bad.any():
+        raise pagefile.CorruptPage("pack table entry out of range")
+    return table
 
 
-def read_table(fd: int) -> list[PackEntry]:
+def read_table(fd: int) -> np.ndarray:
     """The checked table of the pack open at ``fd`` (a buffered descriptor)."""
     size = os.fstat(fd).st_size
     tail = os.pread(fd, min(size, 64 * 1024), max(0, size - 64 * 1024))

@@ -289,8 +289,8 @@ def bench_fs_startup_packed(pages: int = 1_000_000, page_bytes: int = 32 * 1024,
         span = packfile.aligned(page_bytes)
         for first in range(0, pages, per_pack):
             count = min(per_pack, pages - first)
-            table = packfile.encode_table([packfile.PackEntry(0, (first + i).to_bytes(16, "big"), i * span,
-                                                              page_bytes, 0) for i in range(count)])
+            table = packfile.encode_table(packfile.make_table(
+                [(0, (first + i).to_bytes(16, "big"), i * span, page_bytes, 0) for i in range(count)]))
             fd = os.open(packs / f"{first:016x}{packfile.SUFFIX}", os.O_WRONLY | os.O_CREAT, 0o600)
             os.pwrite(fd, table, count * span)
             os.close(fd)
@@ -565,7 +565,7 @@ def _page_spans(pack: Path) -> list[int]:
 
     fd = os.open(pack, os.O_RDONLY)
     try:
-        return [packfile.aligned(entry.length) for entry in packfile.read_table(fd)]
+        return [packfile.aligned(length) for length in packfile.read_table(fd)["length"].tolist()]
     finally:
         os.close(fd)
 

@@ -70,9 +70,10 @@ def stored_payload(store: Path, group: int, key: bytes) -> tuple[Path, int, int]
     for pack in (layout_dir / "packs").glob(f"*{packfile.SUFFIX}"):
         fd = os.open(pack, os.O_RDONLY)
         try:
-            for entry in packfile.read_table(fd):
-                if (entry.group, entry.key) == (group, key):
-                    return pack, entry.offset, entry.length
+            table = packfile.read_table(fd)
+            for i in range(len(table)):
+                if (int(table["group"][i]), packfile.key_of(table, i)) == (group, key):
+                    return pack, int(table["offset"][i]), int(table["length"][i])
         finally:
             os.close(fd)
     raise FileNotFoundError(f"page {key.hex()} of group {group} is not in {store}")
