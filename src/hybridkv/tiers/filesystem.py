@@ -52,6 +52,7 @@ PACK_LINGER_S = 1.0         # or this long after its first page, or at a flush (
 RUN_BYTES = 4 << 20         # the largest read of adjacent packed pages in one request,
 RUN_PAGES = 512             # and its most pages (a page and its padding: two of IOV_MAX 1024)
 PACK_INDEX_WAIT_S = 1.0     # a lookup at start-up waits this long for the pack tables, then misses
+PACK_RELIST_S = 0.1         # misses relist a packs directory others write to at most this often
 
 
 class Pack:
@@ -224,6 +225,7 @@ class FilesystemTier(SecondaryTier):
         self._idle: dict[str, Pack] = {}           # packs serving no page here, oldest first
         self._packs_dir = f"{self._namespace_str}/{PACKS}"
         self._packs_listed: int | None = None      # mtime of the packs directory we last listed
+        self._packs_listed_at = 0.0                # and when (time.monotonic)
         self._pending: list[tuple[int, bytes, object, Future]] = []   # small pages to pack
         self._pending_bytes = 0
         self._flush_asked = False
@@ -238,7 +240,7 @@ class FilesystemTier(SecondaryTier):
         self._local = threading.local()            # per-thread aligned buffer for O_DIRECT
         self.stats = {"reads": 0, "read_bytes": 0, "read_requests": 0, "writes": 0, "write_bytes": 0,
                       "corrupt": 0, "read_errors": 0, "write_errors": 0, "evictions": 0,
-                      "orphans_removed": 0, "disk_lookups": 0}
+                      "orphans_removed": 0, "disk_lookups": 0, "pack_listings": 0}
         self._write_errnos: set[int] = set()      # failure kinds already logged
         self._bad: set[bytes] = set()              # corrupt pages we could not move aside
         page_dirs = self._check_dirs()
@@ -535,17 +537,23 @@ class FilesystemTier(SecondaryTier):
 
     def _list_new_packs(self) -> None:
         """Index packs other processes wrote since we last listed: one ``stat`` when the
-        packs directory is unchanged; nothing before the scan has read the tables."""
+        packs directory is unchanged; nothing before the scan has read the tables. A store
+        other processes keep writing changes all the time, and a listing costs ~1 ms per
+        thousand packs, so misses list it at most every ``PACK_RELIST_S`` (a pack written
+        since is a miss until then: a recompute, never a wrong hit)."""
         if not self.packs_indexed.is_set():
             return
         try:
             listed = os.stat(self._packs_dir).st_mtime_ns
-            if listed == self._packs_listed:
+            now = time.monotonic()
+            if listed == self._packs_listed or now - self._packs_listed_at < PACK_RELIST_S:
                 return
             names = [e.name for e in os.scandir(self._packs_dir) if e.name.endswith(packfile.SUFFIX)]
         except OSError:
             return
-        self._packs_listed = listed
+        self._packs_listed, self._packs_listed_at = listed, now
+        with self._lock:
+            self.stats["pack_listings"] += 1
         for name in names:
             if name in self._packs:
                 continue
