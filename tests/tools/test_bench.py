@@ -42,8 +42,9 @@ def test_remote_benchmark(redis_url):
 @pytest.mark.long
 def test_bench_cli_quick_json_and_report(tmp_path):
     # vLLM's side of the manager comparison is tested in tests/integrations/vllm; here it is absent
+    (tmp_path / "shm").mkdir()
     proc = run_cli("bench", "--quick", "--json", "--manager-slots", "4096", "--plot", tmp_path,
-                   env={"HYBRIDKV_VLLM_PYTHON": str(tmp_path / "no-python")})
+                   "--ram-dir", tmp_path / "shm", env={"HYBRIDKV_VLLM_PYTHON": str(tmp_path / "no-python")})
     assert proc.returncode == 0, proc.stderr
     res = json.loads(proc.stdout)
     assert "]: manager: lru on 4,096 slots" in proc.stderr     # progress reaches stderr under --json
@@ -58,7 +59,7 @@ def test_bench_cli_quick_json_and_report(tmp_path):
     assert [r["prompt_tokens"] for r in res["restore"]] == [1024, 4096]
     B = 64                                   # the bench's block: everything up to the replay block
     assert all(r["identical"] and r["hit_tokens"] == (r["prompt_tokens"] - 1) // B * B
-               for r in res["restore"])
+               and r["ram_dir"] == str(tmp_path / "shm") for r in res["restore"])
     sims = res["simulator"]
     assert {s["workload"] for s in sims} == {"multi_turn_chat", "shared_system_prompt", "document_qa", "agentic"}
     assert set(sims[0]) >= {"workload", "retention", "eviction", "budget_bytes", "token_hit_rate",
@@ -75,6 +76,7 @@ def test_bench_cli_quick_json_and_report(tmp_path):
 
 def test_bench_cli_misuse():
     assert_one_line_error(cli("bench", "--manager-slots", "10"), "--manager-slots must be at least 1024")
+    assert_one_line_error(cli("bench", "--ram-dir", "/nonexistent/shm"), "--ram-dir /nonexistent/shm is not a directory")
 
 
 def test_vllm_table_names_the_machine_when_the_run_recorded_it():

@@ -454,8 +454,10 @@ def bench_hit_lookup(lengths: tuple[int, ...] = (16384, 131072), repeats: int = 
 
 
 # -- 3. restore vs recompute ------------------------------------------------------------------
-def bench_restore(lengths: list[int], model: str = "tiny-hybrid", repeats: int = 3) -> list[dict]:
-    """Cold TTFT vs restore from RAM (same process) and from disk (fresh engine, empty RAM).
+def bench_restore(lengths: list[int], model: str = "tiny-hybrid", repeats: int = 3,
+                  ram_dir: str | None = None) -> list[dict]:
+    """Cold TTFT vs restore from RAM (same process) and from disk (fresh engine, empty RAM),
+    with the RAM regions in ``ram_dir`` (default: the config's, /dev/shm).
     Each disk restore follows a raw read of the same files, so the ceiling is sampled as
     often as the restore and a disk whose speed drifts moves both alike; the disk, the
     noisiest, gets two more samples."""
@@ -465,7 +467,8 @@ def bench_restore(lengths: list[int], model: str = "tiny-hybrid", repeats: int =
     for n in lengths:
         ids = np.random.default_rng(n).integers(3, 259, n).tolist()
         store = tempfile.mkdtemp(prefix="hybridkv-bench-restore-")
-        config = CacheConfig(block_tokens=64, store=store, ram_bytes=64 * MiB, reference_tokens=max(n, 1024))
+        config = CacheConfig(block_tokens=64, store=store, ram_bytes=64 * MiB, reference_tokens=max(n, 1024),
+                             **({"ram_dir": ram_dir} if ram_dir else {}))
         try:
             cold_engine = Engine(model, config, use_cache=False)
             cold_engine.generate(ids[:64], 1)           # warm-up
@@ -486,7 +489,7 @@ def bench_restore(lengths: list[int], model: str = "tiny-hybrid", repeats: int =
         ram_restore = statistics.median(r.restore_s for r in rams)
         fs_restore = statistics.median(r.restore_s for r in disks)
         rows.append({
-            "prompt_tokens": n, "hit_tokens": rams[0].hit_tokens,
+            "prompt_tokens": n, "hit_tokens": rams[0].hit_tokens, "ram_dir": config.ram_dir,
             "cold_ttft_s": statistics.median(r.ttft_s for r in colds),
             "ram_ttft_s": statistics.median(r.ttft_s for r in rams),
             "fs_ttft_s": statistics.median(r.ttft_s for r in disks),
@@ -602,7 +605,7 @@ def bench_manager_size(slots: int, repeats: int, progress: Callable[[str], None]
 
 
 def run_bench(quick: bool = False, remote: str | None = None, manager_slots: int | None = None,
-              progress: Callable[[str], None] = lambda _m: None) -> dict:
+              progress: Callable[[str], None] = lambda _m: None, ram_dir: str | None = None) -> dict:
     started = time.perf_counter()
     out: dict = {"mode": "quick" if quick else "full", "machine": machine()}
     progress("tiers: RAM slots vs memcpy")
@@ -626,7 +629,8 @@ def run_bench(quick: bool = False, remote: str | None = None, manager_slots: int
     out["manager"] = [bench_manager_size(n, 3 if quick else 5, progress)
                       for n in ([manager_slots] if manager_slots else MANAGER_SLOTS[quick])]
     progress("restore vs recompute")
-    out["restore"] = bench_restore([1024, 4096] if quick else [1024, 4096, 16384, 32000], repeats=2 if quick else 3)
+    out["restore"] = bench_restore([1024, 4096] if quick else [1024, 4096, 16384, 32000], repeats=2 if quick else 3,
+                                   ram_dir=ram_dir)
     progress("workload simulator")
     out["simulator"] = bench_simulator(quick)
     out["seconds"] = time.perf_counter() - started

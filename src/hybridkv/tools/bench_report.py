@@ -136,7 +136,8 @@ def tables(res: dict) -> str:
         f"**{_r(h['ms'])} ms** (median of 20; {_r(h['spread_ms'][0])}–{_r(h['spread_ms'][1])} ms).\n")
     for size in res["manager"]:
         lines += manager_table(size)
-    add("### Restore vs recompute (tiny-hybrid, fp32, 2 threads, block 64)\n")
+    ram_dir = res["restore"][0].get("ram_dir", "/dev/shm") if res["restore"] else "/dev/shm"
+    add(f"### Restore vs recompute (tiny-hybrid, fp32, 2 threads, block 64, RAM regions in `{ram_dir}`)\n")
     add("| prompt tokens | restored | cold TTFT s | RAM TTFT s | disk TTFT s | speed-up RAM / disk | "
         "restored MB | restore GB/s RAM / disk | identical |")
     add("|---:|---:|---:|---:|---:|---|---:|---|---|")

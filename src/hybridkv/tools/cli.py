@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import fields
@@ -238,13 +239,15 @@ def _cmd_bench(args) -> int:
 
     if args.manager_slots is not None and args.manager_slots < 1024:
         raise HybridKVError("--manager-slots must be at least 1024")
+    if args.ram_dir is not None and not os.path.isdir(args.ram_dir):
+        raise HybridKVError(f"--ram-dir {args.ram_dir} is not a directory; give a tmpfs directory such as /dev/shm")
     _quiet_transformers()
     started = time.monotonic()
 
     def progress(message: str) -> None:   # stderr, also under --json: a full run takes minutes
         print(f"bench [{time.monotonic() - started:5.0f} s]: {message} ...", file=sys.stderr, flush=True)
 
-    results = run_bench(args.quick, args.remote, args.manager_slots, progress)
+    results = run_bench(args.quick, args.remote, args.manager_slots, progress, args.ram_dir)
     if args.plot:
         for path in plot(results, args.plot):
             progress(f"wrote {path}")
@@ -345,6 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="smaller sizes; under two minutes")
     p.add_argument("--remote", help="also measure a Redis/Valkey tier at this URL")
     p.add_argument("--manager-slots", type=_positive_int, help="one pool size for the manager trace (default 10K, 200K and 1M; quick 10K and 100K)")
+    p.add_argument("--ram-dir", help="RAM regions of the restore benchmark here (default /dev/shm), "
+                   "e.g. a tmpfs mounted with huge=within_size")
     p.add_argument("--plot", help="write PNG charts into this directory")
     p.add_argument("--json", action="store_true", help="one JSON object with a section per part")
     p.set_defaults(func=_cmd_bench)
