@@ -42,7 +42,7 @@ from hybridkv.tiers.io_queue import READ, WRITE, IOQueue, fan_out
 from hybridkv.tiers.store_dirs import StoreDirs
 
 log = logging.getLogger(__name__)
-ALIGN = 4096
+ALIGN = packfile.ALIGN      # O_DIRECT buffers, offsets and lengths: whole 4 KiB blocks
 MANIFEST = "manifest.json"
 QUARANTINE = "quarantine"
 PACKS = "packs"
@@ -237,7 +237,7 @@ class FilesystemTier(SecondaryTier):
         self.scanned = threading.Event()           # the start-up scan has indexed the store
         self._closing = False
         self._start = process_start_time(os.getpid())
-        self._local = threading.local()            # per-thread aligned buffer for O_DIRECT
+        self._local = threading.local()            # per-thread aligned buffer and scratch page for O_DIRECT
         self.stats = {"reads": 0, "read_bytes": 0, "read_requests": 0, "writes": 0, "write_bytes": 0,
                       "corrupt": 0, "read_errors": 0, "write_errors": 0, "evictions": 0,
                       "orphans_removed": 0, "disk_lookups": 0, "pack_listings": 0}
@@ -690,7 +690,7 @@ class FilesystemTier(SecondaryTier):
         scratch buffer."""
         scratch = getattr(self._local, "scratch", None)
         if scratch is None:
-            scratch = self._local.scratch = memoryview(mmap.mmap(-1, packfile.ALIGN))
+            scratch = self._local.scratch = memoryview(mmap.mmap(-1, ALIGN))
         vectors = []
         for out in outs:
             vectors.append(out)

@@ -58,11 +58,6 @@ def make_table(rows: list[tuple[int, bytes, int, int, int]]) -> np.ndarray:
     return table
 
 
-def key_of(table: np.ndarray, i: int) -> bytes:
-    """The key of entry ``i``."""
-    return table["key"][i, : table["key_len"][i]].tobytes()
-
-
 def encode(pages: list[tuple[int, bytes, object]]) -> tuple[list, np.ndarray]:
     """The buffers of a pack holding ``pages`` (group, key, payload), in file order, and its
     table."""

@@ -181,19 +181,19 @@ def bench_fs_batch(page_sizes: tuple[int, ...] = (32 * 1024, 256 * 1024, 2 * MiB
             # page-aligned destinations, as the slots of a RAM region are
             slots = np.frombuffer(mmap.mmap(-1, pages * page_bytes), np.uint8).reshape(pages, page_bytes)
             items = [(0, k, slots[i]) for i, k in enumerate(keys)]
+            same, per_file = _SamePages(root), _SamePages(one_each)
             runs: dict[str, list[float]] = {"tier": [], "raw": [], "per_file": []}
             for _ in range(repeats):
                 runs["tier"].append(_gbps(pages * page_bytes, _timed_reads(tier, items)))
-                ceiling = _same_pages_ceilings(root, 1)
-                runs["raw"].append(ceiling["raw_read_same_pages_gbps"])
-                runs["per_file"].append(_same_pages_ceilings(one_each, 1)["raw_read_same_pages_gbps"])
+                runs["raw"].append(same.raw_read_gbps())
+                runs["per_file"].append(per_file.raw_read_gbps())
             tier.close()
         finally:
             shutil.rmtree(root, ignore_errors=True)
             shutil.rmtree(one_each, ignore_errors=True)
         med = {name: statistics.median(values) for name, values in runs.items()}
         rows.append({"page_bytes": page_bytes, "pages": pages, "read_gbps": med["tier"],
-                     "mode": ceiling["raw_read_mode"], "raw_read_gbps": med["raw"],
+                     "mode": same.facts()["raw_read_mode"], "raw_read_gbps": med["raw"],
                      "ratio": med["tier"] / med["raw"], "raw_read_file_per_page_gbps": med["per_file"],
                      "spread_gbps": [min(runs["tier"]), max(runs["tier"])]})
     return rows
@@ -476,13 +476,13 @@ def bench_restore(lengths: list[int], model: str = "tiny-hybrid", repeats: int =
             with Engine(model, config) as engine:
                 engine.generate(ids, 4)
                 rams = [engine.generate(ids, 4) for _ in range(repeats)]
-            disks, samples = [], []
+            same, disks, raw_reads = _SamePages(Path(store)), [], []
             for _ in range(repeats + 2):
-                samples.append(_same_pages_ceilings(Path(store), 1))
+                raw_reads.append(same.raw_read_gbps())
                 with Engine(model, config) as engine:
                     disks.append(engine.generate(ids, 4))
-            ceilings = {**samples[0], **{name: statistics.median(s[name] for s in samples)
-                                         for name in ("raw_read_same_pages_gbps", "memcpy_same_pages_gbps")}}
+            ceilings = {**same.facts(), "raw_read_same_pages_gbps": statistics.median(raw_reads),
+                        "memcpy_same_pages_gbps": same.memcpy_gbps(5)}
         finally:
             shutil.rmtree(store, ignore_errors=True)
         cold_digest = colds[0].logits_digest
@@ -517,49 +517,58 @@ def _ttft_bounds(rams: list, disks: list, ceilings: dict) -> dict:
     return out
 
 
-def _same_pages_ceilings(store: Path, repeats: int = 5, threads: int = 4) -> dict:
-    """Ceilings over the very files the restores read: read raw the way the tier reads them
-    (``O_DIRECT`` where it is accepted, the tier's 4 threads, requests of at most
-    ``RUN_BYTES``), and the pages' bytes copied page by page in memory."""
-    from concurrent.futures import ThreadPoolExecutor
+class _SamePages:
+    """The very files a benchmark read, and two ceilings over them: raw reads the way the
+    tier reads them (``O_DIRECT`` where it is accepted, the tier's 4 threads, requests of at
+    most ``RUN_BYTES``), and the pages' bytes copied page by page in memory. Listed once;
+    each call is one sample, so samples can alternate with what they bound."""
 
-    from hybridkv.tiers import packfile
-    from hybridkv.tiers.filesystem import RUN_BYTES, probe_direct_io
+    def __init__(self, store: Path, threads: int = 4):
+        from hybridkv.tiers import packfile
+        from hybridkv.tiers.filesystem import RUN_BYTES, probe_direct_io
 
-    files = sorted(store.rglob("*.blk")) + sorted(store.rglob(f"*{packfile.SUFFIX}"))
-    file_bytes = [f.stat().st_size for f in files]
-    pages = [size for f, size in zip(files, file_bytes, strict=True) if f.suffix == ".blk"]
-    for f in files[len(pages):]:
-        pages += _page_spans(f)
-    direct = probe_direct_io(files[0].parent)
-    chunk = min(RUN_BYTES, packfile.aligned(max(file_bytes)))
-    requests = [(f, at) for f, size in zip(files, file_bytes, strict=True) for at in range(0, size, chunk)]
-    buffers = [mmap.mmap(-1, chunk) for _ in range(threads)]
-    src, dst = np.ones(sum(pages), np.uint8), np.empty(sum(pages), np.uint8)
-    bounds = np.cumsum([0, *pages])
+        files = sorted(store.rglob("*.blk")) + sorted(store.rglob(f"*{packfile.SUFFIX}"))
+        self.file_bytes = [f.stat().st_size for f in files]
+        self.pages = [size for f, size in zip(files, self.file_bytes, strict=True) if f.suffix == ".blk"]
+        for f in files[len(self.pages):]:
+            self.pages += _page_spans(f)
+        self.direct = probe_direct_io(files[0].parent)
+        chunk = min(RUN_BYTES, packfile.aligned(max(self.file_bytes)))
+        self.requests = [(f, at) for f, size in zip(files, self.file_bytes, strict=True)
+                         for at in range(0, size, chunk)]
+        self.buffers = [mmap.mmap(-1, chunk) for _ in range(threads)]
+        self.files, self.threads = files, threads
 
-    def read_share(i: int) -> None:
-        for f, at in requests[i::threads]:
-            fd = os.open(f, os.O_RDONLY | (os.O_DIRECT if direct else 0))
-            os.preadv(fd, [buffers[i]], at)
-            os.close(fd)
+    def facts(self) -> dict:
+        return {"files_on_disk": len(self.files), "pages_on_disk": len(self.pages),
+                "page_bytes_on_disk": sorted(set(self.pages)),
+                "raw_read_mode": "direct" if self.direct else "buffered"}
 
-    def raw_read() -> float:
+    def raw_read_gbps(self) -> float:
+        from concurrent.futures import ThreadPoolExecutor
+
+        def read_share(i: int) -> None:
+            for f, at in self.requests[i::self.threads]:
+                fd = os.open(f, os.O_RDONLY | (os.O_DIRECT if self.direct else 0))
+                os.preadv(fd, [self.buffers[i]], at)
+                os.close(fd)
+
         t = time.perf_counter()
-        with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(read_share, range(threads)))
-        return time.perf_counter() - t
+        with ThreadPoolExecutor(self.threads) as pool:
+            list(pool.map(read_share, range(self.threads)))
+        return _gbps(sum(self.file_bytes), time.perf_counter() - t)
 
-    def copy() -> float:
-        t = time.perf_counter()
-        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-            np.copyto(dst[a:b], src[a:b])
-        return time.perf_counter() - t
+    def memcpy_gbps(self, repeats: int) -> float:
+        src, dst = np.ones(sum(self.pages), np.uint8), np.empty(sum(self.pages), np.uint8)
+        bounds = np.cumsum([0, *self.pages]).tolist()
 
-    return {"files_on_disk": len(files), "pages_on_disk": len(pages), "page_bytes_on_disk": sorted(set(pages)),
-            "raw_read_mode": "direct" if direct else "buffered",
-            "raw_read_same_pages_gbps": _gbps(sum(file_bytes), _median(raw_read, repeats)[0]),
-            "memcpy_same_pages_gbps": _gbps(sum(pages), _median(copy, repeats)[0])}
+        def copy() -> float:
+            t = time.perf_counter()
+            for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+                np.copyto(dst[a:b], src[a:b])
+            return time.perf_counter() - t
+
+        return _gbps(sum(self.pages), _median(copy, repeats)[0])
 
 
 def _page_spans(pack: Path) -> list[int]:

@@ -72,7 +72,7 @@ def stored_payload(store: Path, group: int, key: bytes) -> tuple[Path, int, int]
         try:
             table = packfile.read_table(fd)
             for i in range(len(table)):
-                if (int(table["group"][i]), packfile.key_of(table, i)) == (group, key):
+                if (int(table["group"][i]), table["key"][i, : table["key_len"][i]].tobytes()) == (group, key):
                     return pack, int(table["offset"][i]), int(table["length"][i])
         finally:
             os.close(fd)
