@@ -163,6 +163,46 @@ def test_quota_evicts_the_least_recent_pack_whole(tmp_path):
     tier.close()
 
 
+def test_packs_and_page_files_age_together_by_mtime_across_a_restart(tmp_path):
+    tier = FilesystemTier(tmp_path, LAYOUT)
+    write_packed(tier, range(0, 3))
+    tier.write(0, key(10), page(0, 10))
+    write_packed(tier, range(3, 6))
+    tier.close()
+    file = filesystem.page_path(tier.namespace, 0, key(10))
+    for stamp, path in enumerate([file, *packs(tier)]):  # the file oldest, then the packs
+        os.utime(path, ns=(10**18 + stamp, 10**18 + stamp))
+    older = packs(tier)[0]
+    total = tier.total_bytes()
+    tier = FilesystemTier(tmp_path, LAYOUT, max_bytes=total)
+    assert tier.wait_scanned(30) and tier.total_bytes() == total
+    tier.write(0, key(11), page(0, 11))                  # over quota: the file goes first
+    assert not file.exists() and not tier.contains(0, key(10))
+    assert len(packs(tier)) == 2 and tier.stats["evictions"] == 1
+    tier.write(0, key(12), page(0, 12))                  # then the older pack, whole
+    assert not older.exists() and len(packs(tier)) == 1 and tier.stats["evictions"] == 1 + 6
+    kept = [packs(tier)[0], *(filesystem.page_path(tier.namespace, 0, key(i)) for i in (11, 12))]
+    assert tier.total_bytes() == sum(path.stat().st_size for path in kept)
+    assert tier.contains_many(0, [key(i) for i in range(6)]).count(True) == 3
+    tier.close()
+
+
+def test_a_page_stored_in_a_pack_and_a_page_file_is_served_from_the_newer(tmp_path):
+    tier = FilesystemTier(tmp_path, LAYOUT)
+    tier.write(0, key(1), page(0, 1))
+    file = filesystem.page_path(tier.namespace, 0, key(1))
+    write_packed(tier, range(3))                          # the packed copy serves; the file goes
+    assert not file.exists() and tier.locate(0, key(1))[0].endswith(packfile.SUFFIX)
+    tier.write(0, key(2), page(0, 2))                     # a page file serves; the pack stays
+    assert tier.locate(0, key(2))[0].endswith(".blk") and len(packs(tier)) == 1
+    assert all(read_all(tier, range(3)))
+    assert tier.indexed_pages() == 6
+    tier.close()
+    again = FilesystemTier(tmp_path, LAYOUT)
+    assert again.wait_scanned(30) and again.indexed_pages() == 6 and all(read_all(again, range(3)))
+    again.close()
+
+
 def test_a_pack_whose_pages_were_all_stored_again_by_us_is_removed(tmp_path):
     tier = FilesystemTier(tmp_path, LAYOUT)
     write_packed(tier, range(3))

@@ -36,9 +36,10 @@ import numpy as np
 from hybridkv.core.errors import HybridKVError
 from hybridkv.core.layout import Layout
 from hybridkv.ram.regions import process_start_time
-from hybridkv.tiers import packfile, pagefile
+from hybridkv.tiers import packfile, page_index, pagefile
 from hybridkv.tiers.base import ReadItem, SecondaryTier, register_tier
 from hybridkv.tiers.io_queue import READ, WRITE, IOQueue, fan_out
+from hybridkv.tiers.page_index import PageTable
 from hybridkv.tiers.store_dirs import StoreDirs
 
 log = logging.getLogger(__name__)
@@ -56,25 +57,33 @@ PACK_RELIST_S = 0.1         # misses relist a packs directory others write to at
 
 
 class Pack:
-    """A pack file as the index knows it: its size on disk, where each page lies in it and
-    its checksum (from the table, 16 B a page), and the pages still served from it.
+    """A pack file as the index knows it: its size on disk; each page's group, fingerprint,
+    offset and checksum (from the table, 34 B a page); how many of its pages are served from
+    it (``live``); its number in the index's locations.
 
     A page stored again elsewhere leaves its old pack. A pack left with no page is removed at
     once if this process wrote it; one another process wrote may still serve that process,
     so it stays until the quota needs room, and goes first then."""
 
-    __slots__ = ("name", "nbytes", "offsets", "checksums", "live", "mine")
+    __slots__ = ("name", "nbytes", "number", "groups", "fingerprints", "offsets", "checksums",
+                 "live", "mine")
 
     def __init__(self, name: str, nbytes: int, table: np.ndarray, mine: bool = False):
-        self.name, self.nbytes, self.live, self.mine = name, nbytes, set(), mine
+        self.name, self.nbytes, self.number, self.live, self.mine = name, nbytes, -1, 0, mine
+        self.groups = table["group"].astype(np.uint16)
+        self.fingerprints = page_index.table_fingerprints(table["key"], table["key_len"])
         self.offsets = array("Q", table["offset"].astype(np.uint64).tobytes())
         self.checksums = array("Q", table["checksum"].astype(np.uint64).tobytes())
 
+    def locations(self, entries: np.ndarray) -> np.ndarray:
+        """Index locations of entries of this pack: its number and the entry, in one int64."""
+        return (self.number << 32) | entries.astype(np.int64)
 
-# An index entry: the bytes of a page file, or a pack and the page's entry in its table.
+
+# Where a page lies: the bytes of its page file, or a pack and the page's entry in its table.
 Where = int | tuple[Pack, int]
-# A pack found on disk: it, the index keys of its pages in table order, its mtime.
-FoundPack = tuple[Pack, list[bytes], int]
+# A pack found on disk: it, its table, its mtime.
+FoundPack = tuple[Pack, np.ndarray, int]
 
 
 def probe_direct_io(directory: Path) -> bool:
@@ -219,9 +228,17 @@ class FilesystemTier(SecondaryTier):
                         self.root, e.strerror)
         self.direct = (not self.read_only and probe_direct_io(self.namespace)) if direct is None else direct
         self._lock = threading.Lock()
-        self._index: OrderedDict[bytes, Where] = OrderedDict()   # ident -> where, LRU first
+        # The index: packed pages in a table per group (fingerprint -> pack number, entry),
+        # page files in the recency order. The quota removes page files and whole packs, so
+        # the order holds those: a page file's index key (value: its size) or a Pack
+        # (value: its size), least recent first. A page is in a table or a file, not both.
+        self._tables: dict[int, PageTable] = {}
+        self._lru: OrderedDict[bytes | Pack, int] = OrderedDict()
+        self._files = 0                            # page files in _lru
         self._bytes = 0
         self._packs: dict[str, Pack] = {}
+        self._numbered: dict[int, Pack] = {}       # by Pack.number
+        self._numbers = itertools.count()
         self._idle: dict[str, Pack] = {}           # packs serving no page here, oldest first
         self._packs_dir = f"{self._namespace_str}/{PACKS}"
         self._packs_listed: int | None = None      # mtime of the packs directory we last listed
@@ -231,8 +248,8 @@ class FilesystemTier(SecondaryTier):
         self._flush_asked = False
         self._pending_ready = threading.Condition()
         self._sizes: dict[int, int] = {}           # one int object per distinct file size
-        self._gone: set[bytes] | None = set()      # pages dropped while the scan runs; None after
-        self._fresh: set[bytes] | None = set()     # pages indexed while it runs, not by it
+        self._gone: set[bytes] | None = set()      # page files dropped while the scan runs; None after
+        self._fresh: set[bytes | Pack] | None = set()   # _lru keys used while it runs, not by it
         self.packs_indexed = threading.Event()     # the scan has indexed the packs (its first part)
         self.scanned = threading.Event()           # the start-up scan has indexed the store
         self._closing = False
@@ -242,7 +259,8 @@ class FilesystemTier(SecondaryTier):
                       "corrupt": 0, "read_errors": 0, "write_errors": 0, "evictions": 0,
                       "orphans_removed": 0, "disk_lookups": 0, "pack_listings": 0}
         self._write_errnos: set[int] = set()      # failure kinds already logged
-        self._bad: set[bytes] = set()              # corrupt pages we could not move aside
+        self._bad: set[bytes] = set()              # corrupt page files we could not move aside
+        self._bad_packs: set[str] = set()          # and packs
         page_dirs = self._check_dirs()
         self._io = IOQueue(threads, "hybridkv-fs")
         self._scanner = threading.Thread(target=self._scan, args=(page_dirs,), daemon=True,
@@ -301,18 +319,25 @@ class FilesystemTier(SecondaryTier):
 
     def _index_packs(self) -> list[FoundPack]:
         """First the packs (one table read each, few files): their pages are served from
-        then on, while the page files are still being walked."""
+        then on, while the page files are still being walked. Of a page in several packs,
+        the newest pack's copy serves."""
         packed = self._scan_packs()
+        packed.sort(key=lambda found: found[2])
         with self._lock:
-            for pack, idents, _ in packed:
-                self._add_pack(pack, idents, newest=False, fresh=False)
+            self._add_packs([(pack, table) for pack, table, _ in reversed(packed)], newest=False,
+                            fresh=False)
+            for pack, _, _ in packed:               # by mtime, before what was used meanwhile
+                if pack in self._lru:
+                    self._lru.move_to_end(pack)
+            for used in [key for key in self._lru if key in self._fresh]:
+                self._lru.move_to_end(used)
         self.packs_indexed.set()
         return packed
 
     def _index_pages(self, page_dirs: list[tuple[int, list[Path]]],
                      packed: list[FoundPack]) -> None:
-        """Order every page, in files and packs, by mtime (least recent first)."""
-        mtimes, idents, wheres = array("q"), [], []
+        """Index the page files and order them and the packs by mtime (least recent first)."""
+        mtimes, idents, sizes = array("q"), [], []
         for group, subs in page_dirs:
             for sub in subs:
                 if self._closing:
@@ -320,46 +345,47 @@ class FilesystemTier(SecondaryTier):
                 try:
                     with os.scandir(sub) as entries:
                         for entry in entries:
-                            self._scan_entry(entry, group, mtimes, idents, wheres)
+                            self._scan_entry(entry, group, mtimes, idents, sizes)
                 except OSError:
                     continue
-        with self._lock:                       # not those phase one found wholly stored elsewhere
-            packed = [found for found in packed if self._packs.get(found[0].name) is found[0]]
-        for pack, pages, mtime in packed:
-            mtimes.extend(array("q", [mtime]) * len(pages))
-            idents += pages
-            wheres += zip(itertools.repeat(pack), range(len(pages)))
-        order = np.argsort(np.frombuffer(mtimes, np.int64), kind="stable").tolist() if idents else []
-        scanned: OrderedDict[bytes, Where] = OrderedDict()
-        for i in order:                        # a page stored twice: the newest copy serves
-            scanned.pop(idents[i], None)
-            scanned[idents[i]] = wheres[i]
-        # Built aside: the serving index's packs keep their own page sets until the swap.
-        live: dict[Pack, set[bytes]] = {}
-        for ident, where in scanned.items():
-            if isinstance(where, tuple):
-                live.setdefault(where[0], set()).add(ident)
-        file_bytes = sum(w for w in scanned.values() if isinstance(w, int))
-        with self._lock:                       # then what changed while we walked
-            changed = [(ident, None) for ident in self._gone]
-            changed += [(ident, self._index[ident]) for ident in self._fresh if ident in self._index]
-            for ident, where in changed:       # indexed since start-up: the most recent
-                old = scanned.pop(ident, None)
-                if isinstance(old, tuple):
-                    live[old[0]].discard(ident)
-                file_bytes -= old if isinstance(old, int) else 0
-                if where is not None:
-                    scanned[ident] = where
-                    if isinstance(where, tuple):
-                        live.setdefault(where[0], set()).add(ident)
-                    file_bytes += where if isinstance(where, int) else 0
-            for pack in self._packs.values():
-                pack.live = live.get(pack, set())
-            self._idle = {name: pack for name, pack in self._packs.items() if not pack.live}
-            self._bytes = file_bytes + sum(pack.nbytes for pack in self._packs.values())
-            self._index, self._gone, self._fresh = scanned, None, None
+        with self._lock:
+            packed_too = self._packed(idents)   # the pack's copy serves; the file goes
+            dead = [page_file(self._namespace_str, *_group_key(idents[n])) for n in packed_too]
+            skip = set(packed_too)
+            stamps, keys, values = [], [], []
+            for n, ident in enumerate(idents):  # not those dropped or indexed meanwhile
+                if n not in skip and ident not in self._gone and ident not in self._lru:
+                    stamps.append(mtimes[n])
+                    keys.append(ident)
+                    values.append(sizes[n])
+            self._files += len(keys)
+            self._bytes += sum(values)
+            for pack, _, mtime in packed:
+                if pack in self._lru and pack not in self._fresh:
+                    stamps.append(mtime)
+                    keys.append(pack)
+                    values.append(pack.nbytes)
+            order = np.argsort(np.array(stamps, np.int64), kind="stable").tolist()
+            ordered = OrderedDict((keys[i], values[i]) for i in order)
+            for key, value in self._lru.items():   # used since start-up: the most recent
+                ordered.setdefault(key, value)
+            self._lru, self._gone, self._fresh = ordered, None, None
+        self._remove(dead)
 
-    def _scan_entry(self, entry: os.DirEntry, group: int, mtimes, idents, wheres) -> None:
+    def _packed(self, idents: list[bytes]) -> list[int]:
+        """Which of these page files' pages are packed too (by position)."""
+        by_group: dict[int, list[int]] = {}
+        for n, ident in enumerate(idents):
+            by_group.setdefault(_group_key(ident)[0], []).append(n)
+        found = []
+        for group, positions in by_group.items():
+            table = self._tables.get(group)
+            if table is not None and positions:
+                locs = table.find(page_index.fingerprints([idents[n][2:] for n in positions]))
+                found += [positions[i] for i in np.flatnonzero(locs >= 0).tolist()]
+        return found
+
+    def _scan_entry(self, entry: os.DirEntry, group: int, mtimes, idents, sizes) -> None:
         name = entry.name
         if self._reclaim_temp(entry):
             return
@@ -373,7 +399,7 @@ class FilesystemTier(SecondaryTier):
         if stat.S_ISREG(st.st_mode):
             mtimes.append(st.st_mtime_ns)
             idents.append(_ident(group, key))
-            wheres.append(self._size(st.st_size))
+            sizes.append(self._size(st.st_size))
 
     def _reclaim_temp(self, entry: os.DirEntry) -> bool:
         """Is this a temp file? One whose writer is gone is removed."""
@@ -421,7 +447,7 @@ class FilesystemTier(SecondaryTier):
             return None
         if table is None:
             return None
-        return Pack(name, st.st_size, table), _pack_idents(table), st.st_mtime_ns
+        return Pack(name, st.st_size, table), table, st.st_mtime_ns
 
     def _quarantine_pack(self, path: str, error: Exception) -> bool:
         moved = not self.read_only and quarantine(self.namespace, Path(path), self.dirs)
@@ -439,67 +465,126 @@ class FilesystemTier(SecondaryTier):
         return self.scanned.wait(timeout)
 
     # -- the index (callers hold self._lock) ----------------------------------------------
-    def _put(self, ident: bytes, where: Where, fresh: bool = True) -> list[str]:
-        """Index the newest copy of a page (most recent); returns files no page uses now.
-        ``fresh``: not put by the start-up scan, so it outranks what the scan finds."""
-        if fresh and self._fresh is not None:
-            self._fresh.add(ident)
-        old = self._index.pop(ident, None)
-        self._index[ident] = where
-        if isinstance(where, int):
-            self._bytes += where
-        elif isinstance(old, tuple) and old[0] is where[0]:
-            return []                       # the same pack holds it twice: nothing to release
-        else:
-            where[0].live.add(ident)
-        return self._release(ident, old)
+    def _used(self, key: bytes | Pack) -> None:
+        """Note a use of a page file or pack while the scan runs: it outranks what the scan finds."""
+        if self._fresh is not None:
+            self._fresh.add(key)
 
-    def _drop(self, ident: bytes) -> list[str]:
-        """Unindex a page; returns files no page uses now."""
-        return self._release(ident, self._index.pop(ident, None))
+    def _locate(self, group: int, keys: Sequence[bytes]) -> list[Where | None]:
+        """Where each page lies, as the index knows it."""
+        table = self._tables.get(group)
+        locs = table.find(page_index.fingerprints(keys)).tolist() if table and keys else [-1] * len(keys)
+        wheres: list[Where | None] = []
+        for key, loc in zip(keys, locs, strict=True):
+            if loc >= 0:
+                wheres.append((self._numbered[loc >> 32], loc & 0xFFFFFFFF))
+            else:
+                wheres.append(self._lru.get(_ident(group, key)) if self._files else None)
+        return wheres
 
-    def _release(self, ident: bytes, where: Where | None) -> list[str]:
-        """Account for an index entry that went away; returns files no page uses now."""
-        if isinstance(where, int):
-            self._bytes -= where
-        elif where is not None:
-            where[0].live.discard(ident)
-            return self._bury(where[0])
-        return []
+    def _put_file(self, ident: bytes, size: int, fresh: bool = True) -> list[str]:
+        """Index the newest copy of a page, in a page file (most recent); returns files no
+        page uses now. ``fresh``: not put by the start-up scan."""
+        group, key = _group_key(ident)
+        dead = self._unpack(group, [key])
+        old = self._lru.pop(ident, None)
+        self._files += old is None
+        self._bytes += size - (old or 0)
+        self._lru[ident] = size
+        if fresh:
+            self._used(ident)
+        return dead
+
+    def _drop_file(self, ident: bytes) -> None:
+        size = self._lru.pop(ident, None)
+        if size is not None:
+            self._files -= 1
+            self._bytes -= size
+
+    def _unpack(self, group: int, keys: list[bytes]) -> list[str]:
+        """Unindex the packed copies of pages; returns files no page uses now."""
+        table = self._tables.get(group)
+        if table is None:
+            return []
+        fps = page_index.fingerprints(keys)
+        locs = table.find(fps)
+        held = locs >= 0
+        table.remove(fps[held], locs[held])
+        return self._release_packed(locs[held])
+
+    def _release_packed(self, locs: np.ndarray) -> list[str]:
+        """Pages left these locations: their packs serve fewer; returns files none uses now."""
+        dead = []
+        numbers, counts = np.unique(locs >> 32, return_counts=True)
+        for number, count in zip(numbers.tolist(), counts.tolist(), strict=True):
+            pack = self._numbered[number]
+            pack.live -= count
+            dead += self._bury(pack)
+        return dead
+
+    def _add_packs(self, found: list[tuple[Pack, np.ndarray]], newest: bool,
+                   fresh: bool = True) -> list[str]:
+        """Index packs' pages (most recent): all of them (``newest``: we just wrote the
+        pack, its pages distinct) or those the index lacks, of a page in several packs the
+        first pack's (another process wrote them; the scan passes the newest first).
+        Returns files no page uses now."""
+        for pack, _ in found:
+            pack.number = next(self._numbers)
+            self._numbered[pack.number] = pack
+            self._packs[pack.name] = pack
+            self._bytes += pack.nbytes
+            self._lru[pack] = pack.nbytes
+            if fresh:
+                self._used(pack)
+        dead = []
+        groups = np.unique(np.concatenate([pack.groups for pack, _ in found])).tolist() if found else []
+        for group in groups:
+            parts = [(pack, table, np.flatnonzero(pack.groups == group)) for pack, table in found]
+            fps = np.concatenate([pack.fingerprints[entries] for pack, _, entries in parts])
+            locs = np.concatenate([pack.locations(entries) for pack, _, entries in parts])
+            owners = np.concatenate([np.full(len(entries), n) for n, (_, _, entries) in enumerate(parts)])
+            if self._files:                     # pages held in page files too
+                idents = [i for _, table, entries in parts for i in _pack_idents(table[entries])]
+                filed = np.array([ident in self._lru for ident in idents], bool)
+                if newest:                      # the new copy serves: the file goes
+                    for n in np.flatnonzero(filed).tolist():
+                        self._drop_file(idents[n])
+                        dead.append(page_file(self._namespace_str, group, idents[n][2:]))
+                else:                           # the page file serves, as before
+                    fps, locs, owners = fps[~filed], locs[~filed], owners[~filed]
+            table = self._tables.setdefault(group, PageTable())
+            old, indexed = table.put(fps, locs, replace=newest)
+            dead += self._release_packed(old[indexed & (old >= 0)])
+            for n, count in enumerate(np.bincount(owners[indexed], minlength=len(parts)).tolist()):
+                parts[n][0].live += count
+        for pack, _ in found:
+            dead += self._bury(pack)
+        return dead
 
     def _drop_pack(self, pack: Pack) -> list[str]:
         """Unindex every page of a pack and stop counting it; returns its path."""
-        paths = []
-        for ident in list(pack.live):
-            paths += self._drop(ident)
-        return paths + self._bury(pack, gone=True)
+        for group in np.unique(pack.groups).tolist():
+            table = self._tables.get(group)
+            if table is not None:
+                entries = np.flatnonzero(pack.groups == group)
+                table.remove(pack.fingerprints[entries], pack.locations(entries))
+        pack.live = 0
+        return self._bury(pack, gone=True)
 
-    def _bury(self, pack: Pack | None, gone: bool = False) -> list[str]:
+    def _bury(self, pack: Pack, gone: bool = False) -> list[str]:
         """A pack no page is served from: ours (or one ``gone`` already) stops counting and
         its path is returned for removal; another process's waits in ``_idle``."""
-        if pack is None or pack.live or self._packs.get(pack.name) is not pack:
+        if pack.live or self._packs.get(pack.name) is not pack:
             return []
+        self._lru.pop(pack, None)
         if not (gone or pack.mine):
             self._idle[pack.name] = pack
             return []
         self._idle.pop(pack.name, None)
         del self._packs[pack.name]
+        del self._numbered[pack.number]
         self._bytes -= pack.nbytes
         return [f"{self._packs_dir}/{pack.name}"]
-
-    def _add_pack(self, pack: Pack, idents: list[bytes], newest: bool,
-                  fresh: bool = True) -> list[str]:
-        """Index a pack's pages: all of them (``newest``, we just wrote it) or those the
-        index lacks (another process wrote it). Returns files no page uses now: only pages
-        stored again, so only with ``newest``."""
-        self._packs[pack.name] = pack
-        self._bytes += pack.nbytes
-        dead = []
-        for entry, ident in enumerate(idents):
-            if newest or ident not in self._index:
-                self._bad.discard(ident)
-                dead += self._put(ident, (pack, entry), fresh)
-        return dead + self._bury(pack)
 
     def _remove(self, paths: list[str]) -> None:
         for path in paths:
@@ -513,26 +598,28 @@ class FilesystemTier(SecondaryTier):
         return self.contains_many(group, [key])[0]
 
     def contains_many(self, group: int, keys) -> list[bool]:
-        idents = [_ident(group, k) for k in keys]
+        keys = list(keys)
         # The scan reads the pack tables first: milliseconds for most stores, seconds for
         # millions of pages, where a miss (recompute) beats a long wait. Waiting before the
         # stats below spares one per packed page.
         self.packs_indexed.wait(PACK_INDEX_WAIT_S)
         with self._lock:
-            found = [i in self._index for i in idents]
-            unknown = [n for n, ok in enumerate(found) if not ok and idents[n] not in self._bad]
+            found = [where is not None for where in self._locate(group, keys)]
+            unknown = [n for n, ok in enumerate(found) if not ok and _ident(group, keys[n]) not in self._bad]
             self.stats["disk_lookups"] += len(unknown)   # maybe another process wrote them
         for n in unknown:
             size = regular_size(page_file(self._namespace_str, group, keys[n]))
             if size is not None:
                 with self._lock:
-                    if idents[n] not in self._index:
-                        self._put(idents[n], self._size(size))
+                    if self._locate(group, [keys[n]])[0] is None:
+                        self._remove(self._put_file(_ident(group, keys[n]), self._size(size)))
                 found[n] = True
         if not all(found):
             self._list_new_packs()
+            missed = [n for n, ok in enumerate(found) if not ok]
             with self._lock:
-                found = [ok or i in self._index for i, ok in zip(idents, found, strict=True)]
+                for n, where in zip(missed, self._locate(group, [keys[n] for n in missed]), strict=True):
+                    found[n] = where is not None
         return found
 
     def _list_new_packs(self) -> None:
@@ -555,27 +642,28 @@ class FilesystemTier(SecondaryTier):
         with self._lock:
             self.stats["pack_listings"] += 1
         for name in names:
-            if name in self._packs:
+            if name in self._packs or name in self._bad_packs:
                 continue
             found = self._open_pack(name)
             if found is not None:
-                pack, idents, _ = found
+                pack, table, _ = found
                 with self._lock:
                     if name not in self._packs:
-                        self._add_pack(pack, idents, newest=False)
+                        self._add_packs([(pack, table)], newest=False)
 
     def locate(self, group: int, key: bytes) -> tuple[str, int] | None:
         """The file holding a page and the offset of its payload there (tools, tests)."""
         if not self.contains(group, key):
             return None
         with self._lock:
-            where = self._index.get(_ident(group, key))
+            where = self._locate(group, [key])[0]
         if isinstance(where, tuple):
             return f"{self._packs_dir}/{where[0].name}", where[0].offsets[where[1]]
         return page_file(self._namespace_str, group, key), pagefile.HEADER_BYTES
 
     def indexed_pages(self) -> int:
-        return len(self._index)
+        with self._lock:
+            return self._files + sum(len(table) for table in self._tables.values())
 
     def total_bytes(self) -> int:
         """Bytes of the indexed files (while the start-up scan runs: those indexed so far)."""
@@ -585,7 +673,7 @@ class FilesystemTier(SecondaryTier):
     def read(self, group: int, key: bytes, out: np.ndarray) -> bool:
         """Fill ``out`` (one page, uint8) from disk; False (and quarantine) if anything is off."""
         with self._lock:
-            where = self._index.get(_ident(group, key))
+            where = self._locate(group, [key])[0]
         if isinstance(where, tuple):
             return self.read_run(where[0], [(where[1], (group, key, out))])[0]
         path = page_file(self._namespace_str, group, key)
@@ -617,16 +705,17 @@ class FilesystemTier(SecondaryTier):
         return True
 
     def _served(self, items: Sequence[ReadItem], pack: Pack | None = None) -> None:
-        """Count one read request serving ``items`` and refresh their recency (all pages of
-        their pack: the quota removes a pack whole, so it ages as one)."""
+        """Count one read request serving ``items`` and refresh their recency (their pack's:
+        the quota removes a pack whole, so it ages as one)."""
         with self._lock:
             self.stats["read_requests"] += 1
             self.stats["reads"] += len(items)
             self.stats["read_bytes"] += sum(out.nbytes for _, _, out in items)
-            idents = pack.live if pack is not None and items else [_ident(g, k) for g, k, _ in items]
-            for ident in idents:
-                if ident in self._index:
-                    self._index.move_to_end(ident)
+            used = ([pack] if items else []) if pack is not None else [_ident(g, k) for g, k, _ in items]
+            for key in used:
+                if key in self._lru:
+                    self._lru.move_to_end(key)
+                    self._used(key)
 
     def read_many(self, items: Sequence[ReadItem]) -> list[bool]:
         """Read pages one after another on this thread, then refresh their mtimes in the
@@ -678,7 +767,7 @@ class FilesystemTier(SecondaryTier):
         if damage is not None:               # never serve from a damaged file again
             if not self._quarantine_pack(path, damage):
                 with self._lock:
-                    self._bad.update(pack.live)
+                    self._bad_packs.add(pack.name)
             self._forget_pack(pack)
         self._served([item for (_, item), ok in zip(pages, results, strict=True) if ok], pack)
         if any(results):
@@ -744,13 +833,17 @@ class FilesystemTier(SecondaryTier):
         futures: list[Future] = [None] * len(items)  # type: ignore[list-item]
         by_pack: dict[Pack, list[tuple[int, int]]] = {}
         files = []
+        by_group: dict[int, list[int]] = {}
+        for n, (group, _, _) in enumerate(items):
+            by_group.setdefault(group, []).append(n)
         with self._lock:
-            for n, (group, key, _) in enumerate(items):
-                where = self._index.get(_ident(group, key))
-                if isinstance(where, tuple):
-                    by_pack.setdefault(where[0], []).append((where[1], n))
-                else:
-                    files.append(n)
+            for group, positions in by_group.items():
+                wheres = self._locate(group, [items[n][1] for n in positions])
+                for n, where in zip(positions, wheres, strict=True):
+                    if isinstance(where, tuple):
+                        by_pack.setdefault(where[0], []).append((where[1], n))
+                    else:
+                        files.append(n)
         for pack, located in by_pack.items():
             for run in _runs(pack, sorted(located), items):
                 batch = self._io.submit(READ, self.read_run, pack, [(entry, items[n]) for entry, n in run])
@@ -786,7 +879,7 @@ class FilesystemTier(SecondaryTier):
         ident = _ident(group, key)
         with self._lock:
             self._bad.discard(ident)
-            dead = self._put(ident, self._size(size))
+            dead = self._put_file(ident, self._size(size))
             self.stats["writes"] += 1
             self.stats["write_bytes"] += size
         self._remove(dead)
@@ -794,9 +887,11 @@ class FilesystemTier(SecondaryTier):
         return True
 
     def write_pack(self, pages: list[tuple[int, bytes, object]]) -> bool:
-        """Write pages as one pack file atomically; evict LRU files past the quota."""
+        """Write pages as one pack file atomically; evict LRU files past the quota. Of a page
+        given twice, the last copy is written."""
         if self.read_only:
             return False
+        pages = list({(group, key): (group, key, payload) for group, key, payload in pages}.values())
         buffers, table = packfile.encode(pages)
         name = f"{secrets.token_hex(8)}{packfile.SUFFIX}"
         path = Path(self._packs_dir) / name
@@ -813,7 +908,7 @@ class FilesystemTier(SecondaryTier):
             return False
         pack = Pack(name, sum(len(memoryview(b).cast("B")) for b in buffers), table, mine=True)
         with self._lock:
-            dead = self._add_pack(pack, [_ident(g, k) for g, k, _ in pages], newest=True)
+            dead = self._add_packs([(pack, table)], newest=True)
             self.stats["writes"] += len(pages)
             self.stats["write_bytes"] += pack.nbytes
         self._remove(dead)
@@ -928,24 +1023,23 @@ class FilesystemTier(SecondaryTier):
         the store."""
         if self.max_bytes is None or self._gone is not None:
             return
-        victims, kept, evicted = [], [], 0
-        with self._lock:               # O(evicted) per write: the LRU end of the index, no scan
+        victims, kept, evicted = [], None, 0
+        with self._lock:               # O(evicted) per write: the LRU end of the order, no scan
             while self._bytes > self.max_bytes and self._idle:
                 victims += self._bury(self._idle.pop(next(iter(self._idle))), gone=True)
-            while self._bytes > self.max_bytes and self._index:
-                ident, where = next(iter(self._index.items()))
-                if ident == keep or (isinstance(where, tuple) and where[0] is keep):
-                    kept.append((ident, self._index.pop(ident)))
-                    continue
-                if isinstance(where, tuple):
-                    evicted += len(where[0].live)
-                    victims += self._drop_pack(where[0])
+            while self._bytes > self.max_bytes and self._lru:
+                victim = next(iter(self._lru))
+                if victim is keep or victim == keep:
+                    kept = (victim, self._lru.pop(victim))
+                elif isinstance(victim, Pack):
+                    evicted += victim.live
+                    victims += self._drop_pack(victim)
                 else:
                     evicted += 1
-                    self._drop(ident)
-                    victims.append(page_file(self._namespace_str, *_group_key(ident)))
-            for ident, where in kept:
-                self._index[ident] = where
+                    self._drop_file(victim)
+                    victims.append(page_file(self._namespace_str, *_group_key(victim)))
+            if kept is not None:
+                self._lru[kept[0]] = kept[1]
             self.stats["evictions"] += evicted
         for path in victims:
             with contextlib.suppress(FileNotFoundError):
@@ -967,16 +1061,13 @@ class FilesystemTier(SecondaryTier):
     def _forget(self, group: int, key: bytes) -> None:
         ident = _ident(group, key)
         with self._lock:
-            dead = self._drop(ident)
+            self._drop_file(ident)
             if self._gone is not None:
                 self._gone.add(ident)
-        self._remove(dead)
 
     def _forget_pack(self, pack: Pack) -> None:
         """A pack is gone or damaged: none of its pages is served from it again."""
         with self._lock:
-            if self._gone is not None:
-                self._gone.update(pack.live)
             self._drop_pack(pack)               # its file is gone or in quarantine already
 
     def close(self) -> None:
