@@ -317,10 +317,11 @@ class FilesystemTier(SecondaryTier):
             self._enforce_quota(keep=None)
             self.scanned.set()
 
-    def _index_packs(self) -> list[FoundPack]:
+    def _index_packs(self) -> list[tuple[Pack, int]]:
         """First the packs (one table read each, few files): their pages are served from
         then on, while the page files are still being walked. Of a page in several packs,
-        the newest pack's copy serves."""
+        the newest pack's copy serves. Returns the packs and their mtimes (the tables,
+        55 B a page, are not kept)."""
         packed = self._scan_packs()
         packed.sort(key=lambda found: found[2])
         with self._lock:
@@ -332,10 +333,10 @@ class FilesystemTier(SecondaryTier):
             for used in [key for key in self._lru if key in self._fresh]:
                 self._lru.move_to_end(used)
         self.packs_indexed.set()
-        return packed
+        return [(pack, mtime) for pack, _, mtime in packed]
 
     def _index_pages(self, page_dirs: list[tuple[int, list[Path]]],
-                     packed: list[FoundPack]) -> None:
+                     packed: list[tuple[Pack, int]]) -> None:
         """Index the page files and order them and the packs by mtime (least recent first)."""
         mtimes, idents, sizes = array("q"), [], []
         for group, subs in page_dirs:
@@ -360,7 +361,7 @@ class FilesystemTier(SecondaryTier):
                     values.append(sizes[n])
             self._files += len(keys)
             self._bytes += sum(values)
-            for pack, _, mtime in packed:
+            for pack, mtime in packed:
                 if pack in self._lru and pack not in self._fresh:
                     stamps.append(mtime)
                     keys.append(pack)
@@ -482,17 +483,16 @@ class FilesystemTier(SecondaryTier):
                 wheres.append(self._lru.get(_ident(group, key)) if self._files else None)
         return wheres
 
-    def _put_file(self, ident: bytes, size: int, fresh: bool = True) -> list[str]:
+    def _put_file(self, ident: bytes, size: int) -> list[str]:
         """Index the newest copy of a page, in a page file (most recent); returns files no
-        page uses now. ``fresh``: not put by the start-up scan."""
+        page uses now."""
         group, key = _group_key(ident)
         dead = self._unpack(group, [key])
         old = self._lru.pop(ident, None)
         self._files += old is None
         self._bytes += size - (old or 0)
         self._lru[ident] = size
-        if fresh:
-            self._used(ident)
+        self._used(ident)
         return dead
 
     def _drop_file(self, ident: bytes) -> None:
