@@ -321,3 +321,56 @@ def test_keys_of_mixed_lengths_and_trailing_zero_bytes_survive_a_restart(tmp_pat
         out = np.empty(4096, np.uint8)
         assert again.read(0, k, out) and np.array_equal(out, page(0, n))
     again.close()
+
+
+def check_index(tier) -> None:
+    """The index agrees with itself and with the disk: every packed location names a pack
+    that counts it, every pack the order or the idle list holds is on disk, and the bytes
+    counted are the bytes of the files indexed."""
+    counted = {}
+    for table in tier._tables.values():
+        for loc in table.find(np.stack([table._hi, table._lo], axis=1)[table._loc >= 0]).tolist():
+            counted[loc >> 32] = counted.get(loc >> 32, 0) + 1
+    assert counted == {p.number: p.live for p in tier._packs.values() if p.live}
+    assert all(p.live == 0 for p in tier._idle.values())
+    files = [k for k in tier._lru if isinstance(k, bytes)]
+    assert len(files) == tier._files
+    on_disk = {p.name: p.stat().st_size for p in packs(tier)}
+    assert {name: p.nbytes for name, p in tier._packs.items()} == on_disk
+    blk = sum(os.stat(filesystem.page_file(str(tier.namespace), *filesystem._group_key(k))).st_size for k in files)
+    assert tier.total_bytes() == blk + sum(on_disk.values())
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_writes_reads_evictions_and_restarts_keep_the_index_true(tmp_path, seed):
+    """Pages written in packs and page files, read, evicted by a quota and found again after
+    restarts: whatever the tier says it holds reads back right, and the index stays whole."""
+    rng = np.random.default_rng(seed)
+    quota = 40 * (4096 + 16384)
+    tier = FilesystemTier(tmp_path, LAYOUT, max_bytes=quota)
+    assert tier.wait_scanned(30)
+    written, evictions = set(), 0
+    for _ in range(60):
+        op = rng.choice(["pack", "file", "read", "restart"], p=[0.4, 0.2, 0.3, 0.1])
+        keys = rng.choice(30, size=int(rng.integers(1, 12)), replace=False).tolist()
+        if op == "pack":
+            pages = [(g, key(i), page(g, i)) for i in keys for g in (0, 1) if rng.random() < 0.8]
+            assert tier.write_pack(pages) and written.update((g, k) for g, k, _ in pages) is None
+        elif op == "file":
+            g = int(rng.integers(0, 2))
+            assert tier.write(g, key(keys[0]), page(g, keys[0]))
+            written.add((g, key(keys[0])))
+        elif op == "read":
+            read_all(tier, keys)                           # what hits is checked inside
+        else:
+            evictions += tier.stats["evictions"]
+            tier.close()
+            tier = FilesystemTier(tmp_path, LAYOUT, max_bytes=quota)
+            assert tier.wait_scanned(30)
+        check_index(tier)
+        held = [(g, key(i)) for g in (0, 1) for i in range(30) if tier.contains(g, key(i))]
+        assert set(held) <= written and tier.indexed_pages() == len(held)
+        assert tier.total_bytes() <= quota + 16384 + 4096 * 30   # one write may stay alone over
+    evictions += tier.stats["evictions"]
+    tier.close()
+    assert evictions > 0                                   # the quota had work to do
