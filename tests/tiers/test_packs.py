@@ -294,13 +294,17 @@ class HeldPackScan(FilesystemTier):
         return super()._scan_packs()
 
 
-def test_a_lookup_waits_for_the_pack_tables_only_so_long(tmp_path, monkeypatch):
+def test_a_lookup_waits_for_the_pack_tables_only_so_long(tmp_path, monkeypatch, caplog):
     tier = FilesystemTier(tmp_path, LAYOUT)
     write_packed(tier, range(3))
     tier.close()
     monkeypatch.setattr(filesystem, "PACK_INDEX_WAIT_S", 0.05)
     held = HeldPackScan(tmp_path, LAYOUT)
     assert held.contains(0, key(1)) is False            # a miss, not a stall
+    assert held.contains(0, key(2)) is False            # said once, not per lookup:
+    assert [r.getMessage() for r in caplog.records].count(
+        f"filesystem tier {held.namespace}: the pack tables are still being read after 0.1 s; "
+        "their pages are misses until then") == 1
     held.go.set()
     assert held.packs_indexed.wait(30) and held.contains(0, key(1))
     held.close()

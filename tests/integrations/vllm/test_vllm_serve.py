@@ -80,11 +80,13 @@ def served(checkpoints, tmp_path_factory):
         warm = second.complete(PROMPT)
     finally:
         second.stop()
-    return cold, warm
+    return cold, warm, work
 
 
 def test_restart_restores_from_disk_with_identical_completion(served):
-    (cold_tokens, cold_cached), (warm_tokens, warm_cached) = served
+    (cold_tokens, cold_cached), (warm_tokens, warm_cached), work = served
     assert cold_cached == 0
-    assert warm_cached >= 1024            # lfm2's block is 128 tokens: replay boundary 1920
+    said = [line for n in (1, 2) for line in (work / f"serve-{n}.log").read_text().splitlines()
+            if "hybridkv" in line and "non-default args" not in line]
+    assert warm_cached >= 1024, said      # lfm2's block is 128 tokens: replay boundary 1920
     assert warm_tokens == cold_tokens and len(cold_tokens) == 8
