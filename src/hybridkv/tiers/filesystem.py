@@ -328,11 +328,9 @@ class FilesystemTier(SecondaryTier):
         with self._lock:
             self._add_packs([(pack, table) for pack, table, _ in reversed(packed)], newest=False,
                             fresh=False)
-            for pack, _, _ in packed:               # by mtime, before what was used meanwhile
+            for pack, _, _ in reversed(packed):     # by mtime, before what was used meanwhile
                 if pack in self._lru:
-                    self._lru.move_to_end(pack)
-            for used in [key for key in self._lru if key in self._fresh]:
-                self._lru.move_to_end(used)
+                    self._lru.move_to_end(pack, last=False)
         self.packs_indexed.set()
         return [(pack, mtime) for pack, _, mtime in packed]
 
@@ -351,9 +349,10 @@ class FilesystemTier(SecondaryTier):
                 except OSError:
                     continue
         with self._lock:
-            packed_too = self._packed(idents)   # the pack's copy serves; the file goes
-            dead = [page_file(self._namespace_str, *_group_key(idents[n])) for n in packed_too]
-            skip = set(packed_too)
+            skip = {n for group, positions in _by_group(_group_key(i)[0] for i in idents).items()
+                    for n, where in zip(positions, self._locate(group, [idents[n][2:] for n in positions]),
+                                        strict=True) if isinstance(where, tuple)}
+            dead = [page_file(self._namespace_str, *_group_key(idents[n])) for n in skip]   # packed too
             stamps, keys, values = [], [], []
             for n, ident in enumerate(idents):  # not those dropped or indexed meanwhile
                 if n not in skip and ident not in self._gone and ident not in self._lru:
@@ -373,19 +372,6 @@ class FilesystemTier(SecondaryTier):
                 ordered.setdefault(key, value)
             self._lru, self._gone, self._fresh = ordered, None, None
         self._remove(dead)
-
-    def _packed(self, idents: list[bytes]) -> list[int]:
-        """Which of these page files' pages are packed too (by position)."""
-        by_group: dict[int, list[int]] = {}
-        for n, ident in enumerate(idents):
-            by_group.setdefault(_group_key(ident)[0], []).append(n)
-        found = []
-        for group, positions in by_group.items():
-            table = self._tables.get(group)
-            if table is not None and positions:
-                locs = table.find(page_index.fingerprints([idents[n][2:] for n in positions]))
-                found += [positions[i] for i in np.flatnonzero(locs >= 0).tolist()]
-        return found
 
     def _scan_entry(self, entry: os.DirEntry, group: int, mtimes, idents, sizes) -> None:
         name = entry.name
@@ -472,12 +458,15 @@ class FilesystemTier(SecondaryTier):
         if self._fresh is not None:
             self._fresh.add(key)
 
+    def _find_packed(self, group: int, keys: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
+        """The keys' fingerprints and the location of each packed page (-1: not packed)."""
+        fps, table = page_index.fingerprints(list(keys)), self._tables.get(group)
+        return fps, table.find(fps) if table else np.full(len(keys), -1, np.int64)
+
     def _locate(self, group: int, keys: Sequence[bytes]) -> list[Where | None]:
         """Where each page lies, as the index knows it."""
-        table = self._tables.get(group)
-        locs = table.find(page_index.fingerprints(keys)).tolist() if table and keys else [-1] * len(keys)
         wheres: list[Where | None] = []
-        for key, loc in zip(keys, locs, strict=True):
+        for key, loc in zip(keys, self._find_packed(group, keys)[1].tolist(), strict=True):
             if loc >= 0:
                 wheres.append((self._numbered[loc >> 32], loc & 0xFFFFFFFF))
             else:
@@ -504,13 +493,10 @@ class FilesystemTier(SecondaryTier):
 
     def _unpack(self, group: int, keys: list[bytes]) -> list[str]:
         """Unindex the packed copies of pages; returns files no page uses now."""
-        table = self._tables.get(group)
-        if table is None:
-            return []
-        fps = page_index.fingerprints(keys)
-        locs = table.find(fps)
+        fps, locs = self._find_packed(group, keys)
         held = locs >= 0
-        table.remove(fps[held], locs[held])
+        if held.any():
+            self._tables[group].remove(fps[held], locs[held])
         return self._release_packed(locs[held])
 
     def _release_packed(self, locs: np.ndarray) -> list[str]:
@@ -610,13 +596,16 @@ class FilesystemTier(SecondaryTier):
             found = [where is not None for where in self._locate(group, keys)]
             unknown = [n for n, ok in enumerate(found) if not ok and _ident(group, keys[n]) not in self._bad]
             self.stats["disk_lookups"] += len(unknown)   # maybe another process wrote them
-        for n in unknown:
-            size = regular_size(page_file(self._namespace_str, group, keys[n]))
-            if size is not None:
-                with self._lock:
-                    if self._locate(group, [keys[n]])[0] is None:
-                        self._remove(self._put_file(_ident(group, keys[n]), self._size(size)))
-                found[n] = True
+        on_disk = {n: size for n in unknown
+                   if (size := regular_size(page_file(self._namespace_str, group, keys[n]))) is not None}
+        if on_disk:
+            dead = []
+            with self._lock:
+                for n, where in zip(on_disk, self._locate(group, [keys[n] for n in on_disk]), strict=True):
+                    if where is None:
+                        dead += self._put_file(_ident(group, keys[n]), self._size(on_disk[n]))
+                    found[n] = True
+            self._remove(dead)
         if not all(found):
             self._list_new_packs()
             missed = [n for n, ok in enumerate(found) if not ok]
@@ -836,11 +825,8 @@ class FilesystemTier(SecondaryTier):
         futures: list[Future] = [None] * len(items)  # type: ignore[list-item]
         by_pack: dict[Pack, list[tuple[int, int]]] = {}
         files = []
-        by_group: dict[int, list[int]] = {}
-        for n, (group, _, _) in enumerate(items):
-            by_group.setdefault(group, []).append(n)
         with self._lock:
-            for group, positions in by_group.items():
+            for group, positions in _by_group(group for group, _, _ in items).items():
                 wheres = self._locate(group, [items[n][1] for n in positions])
                 for n, where in zip(positions, wheres, strict=True):
                     if isinstance(where, tuple):
@@ -1095,6 +1081,14 @@ def _runs(pack: Pack, located: list[tuple[int, int]], items: Sequence[ReadItem])
         runs[-1].append((entry, n))
         end, size = offset + span, size + span
     return runs
+
+
+def _by_group(groups) -> dict[int, list[int]]:
+    """Positions in ``groups`` by group: lookups go to one table per group."""
+    positions: dict[int, list[int]] = {}
+    for n, group in enumerate(groups):
+        positions.setdefault(group, []).append(n)
+    return positions
 
 
 def _groups_of(groups: np.ndarray) -> list[int]:
