@@ -1,6 +1,7 @@
 """TieredCache: write-through, reservations by another process, promotion from secondary tiers."""
 
 import os
+import threading
 
 import numpy as np
 
@@ -27,6 +28,27 @@ def test_write_through_pins_until_written_then_promotes_after_restart(tmp_path):
         cache.release({0: [key(1)], 1: [key(1)]})
         assert cache.locate(1, [key(1)]) == ["ram"]
         assert cache.stats()["tiers"]["fs"]["hits"] == 2
+
+
+def test_wait_written_lands_held_writes_from_another_thread_without_touching_the_pins(tmp_path):
+    """The vLLM stop path: a thread waits for the writes while the engine thread owns the cache."""
+    config = CacheConfig(block_tokens=16, ram_bytes=8 * 1024**2, store=str(tmp_path))
+    with TieredCache(LAYOUT, config) as cache:
+        pages = {0: [(key(i), page(0, i)) for i in range(3)], 1: [(key(i), page(1, i)) for i in range(3)]}
+        assert cache.store(pages)
+        landed = []
+        waiter = threading.Thread(target=lambda: landed.append(cache.wait_written(10)))
+        waiter.start()
+        waiter.join()
+        assert landed == [True]
+        assert cache.pools.pool(1).refs_of(key(2)) == 1    # still pinned: only poll unpins
+        other = FilesystemTier(tmp_path, LAYOUT)            # another process's view of the disk
+        try:
+            assert other.contains_many(1, [key(i) for i in range(3)]) == [True] * 3
+        finally:
+            other.close()
+        cache.drain()
+        assert cache.pools.pool(1).refs_of(key(2)) == 0
 
 
 def test_reserved_slots_filled_by_another_process_are_served_only_after_commit(tmp_path):

@@ -11,7 +11,7 @@ import logging
 import os
 import uuid
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -289,6 +289,15 @@ class TieredCache:
             for f in w.futures:
                 f.result()
         self.poll()
+
+    def wait_written(self, timeout: float) -> bool:
+        """Wait until the write-throughs started so far have landed (True) or ``timeout``
+        passed. Unlike ``drain`` it changes no cache state, so another thread may call it
+        while the engine thread goes on (a stop signal's drain)."""
+        for tier in self.secondaries:
+            tier.flush()
+        futures = {getattr(f, "batch", f) for w in list(self._writes) for f in w.futures}
+        return not wait(futures, timeout).not_done
 
     # -- lifecycle --------------------------------------------------------------------------
     def stats(self) -> dict:

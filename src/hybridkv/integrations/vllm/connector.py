@@ -12,6 +12,7 @@ in the next step; it is asynchronous only so that it happens before vLLM prepare
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -51,9 +52,23 @@ class HybridKVStats(KVConnectorStats):
         return not any(self.data.values())
 
 
+def _log_like_vllm() -> None:
+    """hybridkv's lines go where vLLM's go, in its format and at its level (else its INFO
+    lines vanish: only vLLM's own logger has a handler), unless the operator configured the
+    ``hybridkv`` logger."""
+    ours, theirs = logging.getLogger("hybridkv"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level)
+    ours.propagate = False
+
+
 class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
+        _log_like_vllm()
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None

@@ -22,6 +22,7 @@ from hybridkv.core.errors import HybridKVError
 from hybridkv.core.retention import replay_boundary
 from hybridkv.integrations.vllm.layout import cache_config_from_extra, layout_from_vllm
 from hybridkv.integrations.vllm.messages import Copy, RegionInfo, StepPlan, WorkerReport
+from hybridkv.integrations.vllm.stopping import drain_before_stop
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,10 @@ class SchedulerSide:
         log.info("hybridkv: layout %s, %d groups, RAM %d B, tiers %s", self.layout.fingerprint(),
                  len(self.layout.groups), config.ram_bytes,
                  [t.name for t in self.cache.secondaries] or "RAM only")
+        if self.cache.secondaries and drain_before_stop(self.cache.wait_written) \
+                and not getattr(vllm_config, "shutdown_timeout", 0):
+            log.info("hybridkv: vLLM kills the engine at once on a stop (--shutdown-timeout 0): "
+                     "pages still being written then are lost; --shutdown-timeout 10 lets them land")
 
     # -- lookup -----------------------------------------------------------------------------
     def match(self, request, num_computed_tokens: int) -> int:
@@ -239,8 +244,18 @@ class SchedulerSide:
             self.finish(rid)
         self.cache.drain()
         self.write_stats()          # before close: closed tiers report nothing
+        log.info("hybridkv: closing after %d requests: %d tokens loaded, %d pages stored; tiers %s",
+                 self.connector.stats["requests"], self.stats.loaded_tokens,
+                 self.connector.stats["pages_stored"], self._tier_summary())
         self.cache.close()
         atexit.unregister(self.close)
+
+    def _tier_summary(self) -> str:
+        """What each tier below RAM took and served, for the closing log line."""
+        tiers = self.cache.stats()["tiers"]
+        return ", ".join(f"{t.name}: {tiers[t.name].get('writes', 0)} pages written, "
+                         f"{tiers[t.name]['hits']} served, {tiers[t.name].get('write_errors', 0)} "
+                         "write errors" for t in self.cache.secondaries) or "none"
 
 
 def request_identity(request) -> tuple[str | None, bytes | None]:
