@@ -3,7 +3,7 @@
 On SIGINT or SIGTERM, vLLM 0.32's engine core leaves its busy loop, restores the default
 SIGTERM action and only then shuts the connector down, while the API server's process
 manager sends the engine core a SIGTERM as soon as it stops itself. The connector's
-``shutdown`` therefore does not run on a signalled stop, and pages whose disk or Redis write
+``shutdown`` therefore often does not run on a signalled stop (a race), and pages whose disk or Redis write
 was still in flight were lost (a restart then missed the last requests' prefixes).
 
 So in the engine core, the first stop signal is held: a thread waits for the writes (at most
