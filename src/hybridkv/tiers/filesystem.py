@@ -719,19 +719,16 @@ class FilesystemTier(SecondaryTier):
         return results
 
     def read_run(self, pack: Pack, pages: list[tuple[int, ReadItem]]) -> list[bool]:
-        """Read adjacent pages of a pack ((entry, item) in file order) in one request:
-        straight into their RAM slots where ``O_DIRECT`` allows (slots and pages in whole
-        4 KiB) or the store is read buffered, else through an aligned buffer and a copy."""
+        """Read adjacent pages of a pack ((entry, item) in file order) in one request,
+        straight into their RAM slots (see ``_read_span``)."""
         offsets, outs = pack.offsets, [out for _, (_, _, out) in pages]
         start = offsets[pages[0][0]]
         size = offsets[pages[-1][0]] + packfile.aligned(outs[-1].nbytes) - start
-        into_slots = not self.direct or all(_whole_blocks(out) for out in outs)
-        buf = None if into_slots else memoryview(self._aligned(size))[:size]
         path = f"{self._packs_dir}/{pack.name}"
         try:
             fd = open_page(path, os.O_RDONLY | (os.O_DIRECT if self.direct else 0))
             try:
-                got = os.preadv(fd, self._slot_vectors(outs) if buf is None else [buf], start)
+                got, buf = self._read_span(fd, outs, start, size)
             finally:
                 os.close(fd)
         except FileNotFoundError:            # another process evicted it
@@ -765,6 +762,20 @@ class FilesystemTier(SecondaryTier):
         if any(results):
             self._refresh_mtimes([path])
         return results
+
+    def _read_span(self, fd: int, outs: list[np.ndarray], start: int, size: int
+                   ) -> tuple[int, memoryview | None]:
+        """Read ``size`` bytes at ``start`` into the slots themselves, or, where ``O_DIRECT``
+        refuses them (a slot not aligned to the device's blocks: EINVAL, raised before any
+        I/O), into an aligned buffer the caller copies from. Asking the kernel costs less
+        than checking each slot's address here (~1.4 µs a page)."""
+        try:
+            return os.preadv(fd, self._slot_vectors(outs), start), None
+        except OSError as e:
+            if not self.direct or e.errno != errno.EINVAL:
+                raise
+        buf = memoryview(self._aligned(size))[:size]
+        return os.preadv(fd, [buf], start), buf
 
     def _slot_vectors(self, outs: list[np.ndarray]) -> list:
         """The slots of a run as one scatter list; the padding between pages lands in a
@@ -1095,11 +1106,6 @@ def _groups_of(groups: np.ndarray) -> list[int]:
     """The distinct groups in ``groups``, counted: a process's first plain ``np.unique``
     costs ~10 ms, which the first lookup after a start would wait for."""
     return np.flatnonzero(np.bincount(groups)).tolist()
-
-
-def _whole_blocks(out: np.ndarray) -> bool:
-    """Whether ``O_DIRECT`` may read into ``out`` itself: aligned start, whole blocks."""
-    return out.ctypes.data % ALIGN == 0 and out.nbytes % ALIGN == 0
 
 
 def _touch(paths: list[str]) -> None:
