@@ -121,6 +121,53 @@ def test_misses_are_counted_per_tier(tmp_path):
     assert 'hybridkv_tier_misses_total{tier="fs"} 1.0' in to_prometheus(stats)
 
 
+def _stored_on_disk(layout, config, ids, blocks, state_at):
+    """A cache that stored ``blocks`` prompt blocks of ``ids`` and the state at ``state_at``,
+    drained to disk and closed: the next cache finds them on disk only."""
+    with TieredCache(layout, config) as cache:
+        conn = Connector(cache)
+        req = conn.begin("writer", ids)
+        for b in range(blocks):
+            conn.offer_block(req, b, {0: page(0, b)})
+        conn.offer_state(req, state_at, {1: page(1, state_at // B)})
+        conn.finish(req)
+        cache.drain()
+
+
+@pytest.mark.parametrize("local_blocks", [0, 1])
+def test_loaded_tokens_count_for_the_slowest_tier_of_their_pages(tmp_path, local_blocks):
+    """What vLLM's prompt_tokens_cached_by_source shows: blocks 0-1 in RAM, 2-3 and the
+    state on disk; the engine's own blocks count for no tier."""
+    ids = tokens(4 * B + 1, 11)
+    config = CacheConfig(block_tokens=B, ram_bytes=1024**2, ram_dir=str(tmp_path), store=str(tmp_path / "s"))
+    _stored_on_disk(LAYOUT, config, ids, 4, 4 * B)
+    with TieredCache(LAYOUT, config) as cache:
+        conn = Connector(cache)
+        keys = conn.begin("keys", ids).keys
+        assert cache.store({0: [(keys[b], page(0, b)) for b in (0, 1)]})
+        req = conn.begin("r", ids, local_tokens=local_blocks * B)
+        assert req.hit.tokens == 4 * B and conn.load(req) is not None
+        assert req.sources == {"ram": 2 - local_blocks, "fs": 3}
+        assert req.token_sources == {"ram": (2 - local_blocks) * B, "fs": 2 * B}
+        conn.finish(req)
+
+
+def test_a_state_only_model_s_tokens_come_with_its_state(tmp_path):
+    from hybridkv.core.layout import layout_from_dict
+
+    layout = layout_from_dict({"model": "state-only", "block_tokens": B, "max_model_len": 4096,
+                               "groups": [{"id": 1, "kind": "state", "page_bytes": 16384}]})
+    ids = tokens(3 * B + 1, 12)
+    config = CacheConfig(block_tokens=B, ram_bytes=1024**2, ram_dir=str(tmp_path), store=str(tmp_path / "s"))
+    _stored_on_disk(layout, config, ids, 0, 3 * B)
+    with TieredCache(layout, config) as cache:
+        conn = Connector(cache)
+        req = conn.begin("r", ids)
+        assert conn.load(req) is not None
+        assert req.sources == {"ram": 0, "fs": 1} and req.token_sources == {"ram": 0, "fs": 3 * B}
+        conn.finish(req)
+
+
 def _eager_hit(cache, conn, ids):
     """The hit rule over every key located in every tier: what the lazy lookup must equal."""
     from hybridkv.core.keys import block_hashes

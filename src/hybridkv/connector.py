@@ -44,6 +44,7 @@ class RequestState:
     keys: list[bytes]
     hit: Hit = Hit(0, 0, None)
     sources: dict[str, int] = field(default_factory=dict)     # tier name -> pages loaded from it
+    token_sources: dict[str, int] = field(default_factory=dict)   # tier name -> hit tokens it served
     stored: dict[str, int] = field(default_factory=lambda: {k.value: 0 for k in PageKind})
     pending: dict[Offer, dict] = field(default_factory=dict)
     max_stored_tokens: int | None = None
@@ -153,17 +154,32 @@ class Connector:
                 return None
             blocks = self.hit_blocks(req)
             wanted = {gid: [req.keys[b] for b in bs] for gid, bs in blocks.items()}
-            counts = dict.fromkeys(self.cache.tier_names, 0)
-            for gid, bs in blocks.items():
-                for b in bs:
-                    counts[req.where[gid][b]] += 1
             views = self.cache.acquire(wanted, req.request_id)
             if views is not None:
-                req.loaded, req.sources = wanted, counts
+                req.loaded = wanted
+                req.sources, req.token_sources = self._sources(req, blocks)
                 return views
             req.hit = self._find_hit(req)     # a page was lost (evicted, corrupt): look again
         req.hit = Hit(0, req.hit.attention_tokens, req.hit.junction)
         return None
+
+    def _sources(self, req: RequestState, blocks: dict[int, range]) -> tuple[dict[str, int], dict[str, int]]:
+        """Pages loaded from each tier, and the loaded tokens by tier: a block's tokens count
+        for the slowest tier any of its pages came from; blocks without pages of their own (a
+        state-only model's) count with the hit's last block, whose state restores them."""
+        names = self.cache.tier_names
+        pages = dict.fromkeys(names, 0)
+        slowest: dict[int, int] = {}
+        for gid, bs in blocks.items():
+            for b in bs:
+                tier = req.where[gid][b]
+                pages[tier] += 1
+                slowest[b] = max(slowest.get(b, 0), names.index(tier))
+        tokens = dict.fromkeys(names, 0)
+        n = req.hit.tokens // self.B
+        for b in range(min(req.local_blocks, n), n):
+            tokens[names[slowest.get(b, slowest[n - 1])]] += self.B
+        return pages, tokens
 
     def release(self, req: RequestState) -> None:
         """Unpin loaded pages and refresh recency so the prefix outlives its tail."""

@@ -3,6 +3,7 @@ again: the restart restores the prompt from disk and the completion is identical
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -60,6 +61,13 @@ class Server:
         details = out.usage.prompt_tokens_details
         return out.choices[0].token_ids, (details.cached_tokens if details else 0) or 0
 
+    def cached_by_source(self) -> dict[str, float]:
+        """vLLM's prompt_tokens_cached_by_source counter, by source, from /metrics."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        found = re.findall(r'^vllm:prompt_tokens_cached_by_source_total\{.*source="(\w+)".*\} (\S+)$', text, re.M)
+        return {source: float(value) for source, value in found}
+
     def stop(self):
         """SIGINT, as an operator stops a server: the connector drains its writes to disk."""
         os.killpg(self.proc.pid, signal.SIGINT)
@@ -85,13 +93,14 @@ def served(checkpoints, tmp_path_factory):
     second = Server(model, store, work / "serve-2.log", work / "stats-2.json")
     try:
         warm = second.complete(PROMPT)
+        by_source = second.cached_by_source()
     finally:
         second.stop()
-    return cold, warm, stored, work
+    return cold, warm, stored, by_source, work
 
 
 def test_restart_restores_from_disk_with_identical_completion(served):
-    (cold_tokens, cold_cached), (warm_tokens, warm_cached), stored, work = served
+    (cold_tokens, cold_cached), (warm_tokens, warm_cached), stored, by_source, work = served
     assert cold_cached == 0
     said = [line for n in (1, 2) for line in (work / f"serve-{n}.log").read_text().splitlines()
             if "hybridkv" in line and "non-default args" not in line]
@@ -102,3 +111,5 @@ def test_restart_restores_from_disk_with_identical_completion(served):
     assert stored["packs"]["pages"] == 16 + 3, (stored, said)
     assert warm_cached >= 1024, said      # lfm2's block is 128 tokens: replay boundary 1920
     assert warm_tokens == cold_tokens and len(cold_tokens) == 8
+    # vLLM's metrics name the tier: every restored token came from disk
+    assert by_source.get("disk") == warm_cached and by_source.get("external_unspecified", 0) == 0, by_source

@@ -21,9 +21,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hybridkv.integrations.vllm.scheduler import SchedulerSide
 from hybridkv.integrations.vllm.worker import WorkerSide
+
+# hybridkv's tiers as vLLM's metrics name them (vllm:prompt_tokens_cached_by_source); Redis is
+# what vLLM calls a remote store, which it counts as external_unspecified
+TIER_SOURCES = {"ram": CacheHitSource.HOST, "fs": CacheHitSource.DISK}
 
 
 class HybridKVStats(KVConnectorStats):
@@ -88,6 +93,16 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         self.scheduler.allocated(request, blocks.get_block_ids(), num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request, num_external_tokens: int):
+        sources: dict[CacheHitSource, int] = {}
+        for tier, tokens in self.scheduler.hit_sources(request.request_id).items():
+            if tokens:
+                source = TIER_SOURCES.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
+                sources[source] = sources.get(source, 0) + tokens
+        if sum(sources.values()) != num_external_tokens:      # not this connector's load
+            return super().get_external_cache_hit_sources(request, num_external_tokens)
+        return sources
 
     def build_connector_meta(self, scheduler_output):
         scheduled = {}

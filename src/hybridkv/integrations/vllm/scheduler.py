@@ -140,6 +140,11 @@ class SchedulerSide:
         self.stats.loads += 1
         self.stats.loaded_tokens += num_external_tokens
 
+    def hit_sources(self, request_id: str) -> dict[str, int]:
+        """The tokens of the request's load by the tier (``ram``, ``fs``, ``remote``) they came from."""
+        ctx = self._requests.get(request_id)
+        return dict(ctx.state.token_sources) if ctx is not None and ctx.loaded_tokens else {}
+
     # -- stores -----------------------------------------------------------------------------
     def plan_step(self, scheduled: dict[str, tuple[int, int]], block_ids_of) -> StepPlan:
         """The step's loads and stores; ``scheduled`` maps request -> (start, end) tokens."""
