@@ -4,7 +4,8 @@
 
 The job names the model directory, dtype, the connector's extra config (or null for plain
 vLLM) and a list of requests run one after another. ``"reset": true`` on a request empties
-vLLM's own prefix cache first, so a repeat must come from hybridkv; ``"salt"`` is vLLM's
+vLLM's own prefix cache first, so a repeat must come from hybridkv; ``"batch": [ids, ...]`` in
+place of ``"tokens"`` submits several prompts at once (one result list); ``"salt"`` is vLLM's
 ``cache_salt`` (a salted prompt shares no page with the unsalted one: a cold control). One process = one
 engine: the tests and the vLLM benchmark start a fresh process to simulate a restart.
 """
@@ -39,14 +40,16 @@ def run(job: dict) -> dict:
         if req.get("reset"):
             llm.reset_prefix_cache()
         params = SamplingParams(temperature=0.0, max_tokens=req.get("max_tokens", 8), ignore_eos=True)
+        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in req.get("batch") or [req["tokens"]]]
+        for prompt in prompts:
+            if req.get("salt"):
+                prompt["cache_salt"] = req["salt"]
         start = time.perf_counter()
-        prompt = TokensPrompt(prompt_token_ids=req["tokens"])
-        if req.get("salt"):
-            prompt["cache_salt"] = req["salt"]
-        out = llm.generate([prompt], params, use_tqdm=False)[0]
-        results["requests"].append({"tokens": list(out.outputs[0].token_ids),
-                                    "cached": out.num_cached_tokens or 0,
-                                    "seconds": round(time.perf_counter() - start, 4)})
+        outs = [{"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens or 0}
+                for out in llm.generate(prompts, params, use_tqdm=False)]
+        seconds = round(time.perf_counter() - start, 4)
+        results["requests"].append({"batch": outs, "seconds": seconds} if "batch" in req
+                                   else {**outs[0], "seconds": seconds})
     del llm
     return results
 

@@ -1,8 +1,9 @@
 """Stock vLLM with HybridKVConnector, one family at a time, in real engine processes.
 
 Engine A serves a prompt cold, repeats it from RAM (vLLM's own prefix cache emptied first),
-serves a sibling that shares a prefix (hybridkv stores the junction state) and a third
-prompt that hits at that junction. Engine B is a new process on the same store with a small
+serves a sibling that shares a prefix (hybridkv stores the junction state), a third prompt
+that hits at that junction, then all of them at once in one batch, twice: restored by
+hybridkv, then by vLLM's own prefix cache. Engine B is a new process on the same store with a small
 RAM budget: it restores the prompt from disk (from Redis for the Llama run, which gets a
 store of its own), then other prompts push it out of RAM while a recent one still hits.
 Every restore is compared with a cold run of the same tokens.
@@ -17,6 +18,7 @@ FAMILIES = ["llama", *HYBRID]
 P, R = tokens(1, 2048), tokens(9, 2048)
 SIBLING, THIRD = P[:1100] + tokens(2, 948), P[:1100] + tokens(3, 948)
 PRESSURE = [tokens(10 + i, 2048) for i in range(3)]
+BATCH = [P, P, SIBLING, THIRD]
 _runs: dict[str, dict] = {}
 
 
@@ -38,6 +40,7 @@ def runs(checkpoints, tmp_path_factory, redis_server):
                 {"tokens": P}, {"tokens": P, "reset": True},
                 {"tokens": SIBLING, "reset": True}, {"tokens": THIRD, "reset": True},
                 {"tokens": THIRD, "reset": True, "salt": "cold"}, {"tokens": R, "reset": True},
+                {"batch": BATCH, "reset": True}, {"batch": BATCH},
             ], work, "A")
             B = a["stats"]["block_tokens"]
             # A foreign byte in R's stored state at its replay boundary: B must miss it.
@@ -91,6 +94,26 @@ def test_third_request_hits_at_the_sibling_junction(runs, family):
     assert third["cached"] >= junction > 0
     assert cold_third["cached"] == 0
     assert third["tokens"] == cold_third["tokens"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_batch_restored_by_hybridkv_decodes_as_vllms_own_prefix_cache_does(runs, family):
+    """P twice, its sibling and the third prompt submitted together: one step matches, pins
+    and loads them all, and every pin is released. vLLM on CPU is not batch-invariant (plain
+    vLLM decodes P in this batch differently from P alone), so the reference is the same
+    batch again, now served from vLLM's own prefix cache: the same hits, the same shapes."""
+    r = runs(family)
+    restored, local = r["A"]["requests"][6]["batch"], r["A"]["requests"][7]["batch"]
+    junction = 1100 // r["block_tokens"] * r["block_tokens"]
+    assert [b["cached"] >= junction for b in restored] == [True] * 4, restored
+    assert [b["cached"] for b in local] == [b["cached"] for b in restored]
+    assert [b["tokens"] for b in restored] == [b["tokens"] for b in local]
+    stats = r["A"]["stats"]
+    last = {h["request"]: h for h in stats["requests"]}    # one asked twice is listed twice
+    order = sorted(last, key=lambda rid: int(rid.split("-")[0]))    # the LLM numbers requests
+    assert [last[rid]["loaded_tokens"] > 0 for rid in order[-8:]] == [True] * 4 + [False] * 4, last
+    assert stats["vllm"]["load_failures"] == 0
+    assert all(g["evictable"] == g["used"] for g in stats["cache"]["groups"].values())   # no pin left
 
 
 @pytest.mark.parametrize("family", HYBRID)
