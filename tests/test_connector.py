@@ -168,6 +168,36 @@ def test_a_state_only_model_s_tokens_come_with_its_state(tmp_path):
         conn.finish(req)
 
 
+def test_forget_all_serves_no_page_stored_before_and_frees_idle_ram(tmp_path):
+    """After a weight update: neither RAM nor disk serves an older page, pages in use stay
+    valid for their request, and what is stored from now on hits again."""
+    ids, other = tokens(4 * B + 1, 13), tokens(4 * B + 1, 14)
+    config = CacheConfig(block_tokens=B, ram_bytes=1024**2, ram_dir=str(tmp_path), store=str(tmp_path / "s"))
+    _stored_on_disk(LAYOUT, config, ids, 4, 4 * B)
+    with TieredCache(LAYOUT, config) as cache:
+        conn = Connector(cache)
+        old = conn.begin("old", ids)
+        assert old.hit.tokens == 4 * B
+        views = conn.load(old)                       # promoted into RAM and pinned
+        pinned = [np.array(v) for v in views[0]]
+        conn.offer_block(conn.begin("idle", other), 0, {0: page(0, 99)})
+        cache.drain()
+        assert conn.forget_all() == 1                # the idle page; the pinned five stay
+        assert [np.array_equal(v, p) for v, p in zip(views[0], pinned, strict=True)] == [True] * 4
+        assert conn.begin("after", ids).hit.tokens == 0
+        conn.finish(old)
+        new = conn.begin("new", ids)
+        for b in range(4):
+            conn.offer_block(new, b, {0: page(0, b)})
+        conn.offer_state(new, 4 * B, {1: page(1, 4)})
+        conn.finish(new)
+        assert conn.begin("again", ids).hit.tokens == 4 * B
+        cache.drain()
+    with TieredCache(LAYOUT, config) as cache:       # a restart, on the original weights
+        restarted = Connector(cache).begin("restart", ids)
+        assert restarted.hit.tokens == 4 * B and restarted.keys[0] == old.keys[0] != new.keys[0]
+
+
 def _eager_hit(cache, conn, ids):
     """The hit rule over every key located in every tier: what the lazy lookup must equal."""
     from hybridkv.core.keys import block_hashes

@@ -290,6 +290,12 @@ class TieredCache:
                 f.result()
         self.poll()
 
+    def forget_ram(self) -> int:
+        """Free every RAM page no request is using or writing; returns how many."""
+        used = sum(s["used"] for s in self.pools.stats().values())
+        self.pools.reset()
+        return used - sum(s["used"] for s in self.pools.stats().values())
+
     def wait_written(self, timeout: float) -> bool:
         """Wait until the write-throughs started so far have landed (True) or ``timeout``
         passed. Unlike ``drain`` it changes no cache state, so another thread may call it

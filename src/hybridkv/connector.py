@@ -9,6 +9,7 @@ guessing positions. Offers that RAM refuses now stay pending and are retried eac
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -98,6 +99,7 @@ class Connector:
         self.state_groups = [g.id for g in self.groups if g.kind is GroupKind.STATE]
         self.stats = {"requests": 0, "hit_tokens": 0, "prompt_tokens": 0, "offers_retried": 0,
                       "offers_dropped": 0, "pages_stored": 0, "offers_pending": 0}
+        self._epoch = b""          # enters every key; a new one when the weights change
 
     # -- lookup and load --------------------------------------------------------------------
     def begin(self, request_id: str, tokens: Sequence[int], salt: str | None = None,
@@ -109,7 +111,7 @@ class Connector:
         prefix the engine's own cache already holds: its token pages count as present and
         are not loaded again.
         """
-        req = RequestState(request_id, len(tokens), block_hashes(tokens, self.B, salt, extra),
+        req = RequestState(request_id, len(tokens), block_hashes(tokens, self.B, salt, (extra or b"") + self._epoch),
                            sources=dict.fromkeys(self.cache.tier_names, 0),
                            max_stored_tokens=max_stored_tokens, local_blocks=local_tokens // self.B)
         self.cache.request_started(request_id)
@@ -137,6 +139,15 @@ class Connector:
             return where[gid][block] is not None or (block < local and gid in token_groups)
 
         return compute_hit(self.groups, req.n_tokens, self.B, present)
+
+    def forget_all(self) -> int:
+        """Serve none of the pages stored so far: the engine's weights changed (an RL weight
+        update; vLLM's ``reset_prefix_cache(reset_connector=True)``). Keys take a fresh random
+        epoch, so no stored page matches again in this process; RAM frees the pages no request
+        is using (returns how many). Disk and Redis pages age out under their quotas: a restart
+        on the original weights finds the pages made with them, which are valid there."""
+        self._epoch = secrets.token_bytes(16)
+        return self.cache.forget_ram()
 
     def hit_blocks(self, req: RequestState) -> dict[int, range]:
         """Blocks the hit loads: token groups every block the engine does not hold, state

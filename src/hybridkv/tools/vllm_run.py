@@ -4,7 +4,8 @@
 
 The job names the model directory, dtype, the connector's extra config (or null for plain
 vLLM) and a list of requests run one after another. ``"reset": true`` on a request empties
-vLLM's own prefix cache first, so a repeat must come from hybridkv; ``"batch": [ids, ...]`` in
+vLLM's own prefix cache first, so a repeat must come from hybridkv (``"reset_connector": true``
+empties hybridkv's too, as after a weight update); ``"batch": [ids, ...]`` in
 place of ``"tokens"`` submits several prompts at once (one result list); ``"salt"`` is vLLM's
 ``cache_salt`` (a salted prompt shares no page with the unsalted one: a cold control). One process = one
 engine: the tests and the vLLM benchmark start a fresh process to simulate a restart.
@@ -37,8 +38,8 @@ def run(job: dict) -> dict:
               seed=0, **kwargs)
     results = {"engine_start_s": round(time.perf_counter() - t0, 2), "requests": []}
     for req in job["requests"]:
-        if req.get("reset"):
-            llm.reset_prefix_cache()
+        if req.get("reset") or req.get("reset_connector"):
+            llm.reset_prefix_cache(reset_connector=bool(req.get("reset_connector")))
         params = SamplingParams(temperature=0.0, max_tokens=req.get("max_tokens", 8), ignore_eos=True)
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in req.get("batch") or [req["tokens"]]]
         for prompt in prompts:

@@ -3,7 +3,8 @@
 Engine A serves a prompt cold, repeats it from RAM (vLLM's own prefix cache emptied first),
 serves a sibling that shares a prefix (hybridkv stores the junction state), a third prompt
 that hits at that junction, then all of them at once in one batch, twice: restored by
-hybridkv, then by vLLM's own prefix cache. Engine B is a new process on the same store with a small
+hybridkv, then by vLLM's own prefix cache. Last, P after a reset of both caches (as after a
+weight update), and P once more. Engine B is a new process on the same store with a small
 RAM budget: it restores the prompt from disk (from Redis for the Llama run, which gets a
 store of its own), then other prompts push it out of RAM while a recent one still hits.
 Every restore is compared with a cold run of the same tokens.
@@ -41,6 +42,7 @@ def runs(checkpoints, tmp_path_factory, redis_server):
                 {"tokens": SIBLING, "reset": True}, {"tokens": THIRD, "reset": True},
                 {"tokens": THIRD, "reset": True, "salt": "cold"}, {"tokens": R, "reset": True},
                 {"batch": BATCH, "reset": True}, {"batch": BATCH},
+                {"tokens": P, "reset_connector": True}, {"tokens": P, "reset": True},
             ], work, "A")
             B = a["stats"]["block_tokens"]
             # A foreign byte in R's stored state at its replay boundary: B must miss it.
@@ -111,9 +113,21 @@ def test_a_batch_restored_by_hybridkv_decodes_as_vllms_own_prefix_cache_does(run
     stats = r["A"]["stats"]
     last = {h["request"]: h for h in stats["requests"]}    # one asked twice is listed twice
     order = sorted(last, key=lambda rid: int(rid.split("-")[0]))    # the LLM numbers requests
-    assert [last[rid]["loaded_tokens"] > 0 for rid in order[-8:]] == [True] * 4 + [False] * 4, last
+    batches = order[6:14]                       # requests 6-9 and 10-13: the two batches
+    assert [last[rid]["loaded_tokens"] > 0 for rid in batches] == [True] * 4 + [False] * 4, last
     assert stats["vllm"]["load_failures"] == 0
     assert all(g["evictable"] == g["used"] for g in stats["cache"]["groups"].values())   # no pin left
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_connector_reset_serves_nothing_stored_before_then_stores_anew(runs, family):
+    """vLLM's reset_prefix_cache(reset_connector=True), its cascade after a weight update."""
+    r = runs(family)
+    a = r["A"]["requests"]
+    after_reset, again = a[8], a[9]
+    assert after_reset["cached"] == 0 and after_reset["tokens"] == a[0]["tokens"]
+    assert again["cached"] >= replay(len(P), r["block_tokens"]) - r["block_tokens"]
+    assert again["tokens"] == a[0]["tokens"]
 
 
 @pytest.mark.parametrize("family", HYBRID)

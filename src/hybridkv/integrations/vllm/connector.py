@@ -116,6 +116,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         manager = self._kv_cache_manager
         return self.scheduler.plan_step(spans, lambda rid: manager.get_blocks(rid).get_block_ids())
 
+    def reset_cache(self) -> bool:
+        return self.scheduler.reset()
+
     def update_connector_output(self, connector_output):
         self.scheduler.on_report(connector_output.kv_connector_worker_meta)
 

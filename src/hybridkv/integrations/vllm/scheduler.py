@@ -140,6 +140,14 @@ class SchedulerSide:
         self.stats.loads += 1
         self.stats.loaded_tokens += num_external_tokens
 
+    def reset(self) -> bool:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)``, also its cascade after a weight
+        update: no page stored so far may be served again (``Connector.forget_all``)."""
+        freed = self.connector.forget_all()
+        log.info("hybridkv: cache reset: pages stored so far are no longer served; RAM freed %d "
+                 "pages%s", freed, ", disk and Redis pages age out" if self.cache.secondaries else "")
+        return True
+
     def hit_sources(self, request_id: str) -> dict[str, int]:
         """The tokens of the request's load by the tier (``ram``, ``fs``, ``remote``) they came from."""
         ctx = self._requests.get(request_id)
