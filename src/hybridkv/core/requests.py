@@ -7,8 +7,9 @@ from hybridkv.core.errors import HybridKVError
 
 
 def all_token_ids(values) -> bool:
-    """Every value is an int (a bool is not a token id)."""
-    return all(isinstance(t, int) and not isinstance(t, bool) for t in values)
+    """Every value is an int (a bool is not a token id). Checked per distinct type, not per
+    value: a 32K-token prompt took 5 ms the other way."""
+    return all(issubclass(t, int) and not issubclass(t, bool) for t in set(map(type, values)))
 
 
 def check_max_new_tokens(n, where: str = "") -> None:

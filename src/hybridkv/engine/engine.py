@@ -110,7 +110,7 @@ class Engine:
             raise HybridKVError("the prompt is empty; give at least one token")
         check_salt(salt)
         vocab = self.model.config.vocab_size
-        if not all(0 <= t < vocab for t in ids):
+        if min(ids) < 0 or max(ids) >= vocab:
             raise HybridKVError(f"prompt token ids must be in [0, {vocab}) for {self.model_name}")
         if len(ids) + max_new_tokens > self.max_len:
             raise HybridKVError(
