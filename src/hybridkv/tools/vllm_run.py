@@ -3,12 +3,20 @@
     python -m hybridkv.tools.vllm_run JOB.json
 
 The job names the model directory, dtype, the connector's extra config (or null for plain
-vLLM) and a list of requests run one after another. ``"reset": true`` on a request empties
-vLLM's own prefix cache first, so a repeat must come from hybridkv (``"reset_connector": true``
-empties hybridkv's too, as after a weight update); ``"batch": [ids, ...]`` in
-place of ``"tokens"`` submits several prompts at once (one result list); ``"salt"`` is vLLM's
-``cache_salt`` (a salted prompt shares no page with the unsalted one: a cold control). One process = one
-engine: the tests and the vLLM benchmark start a fresh process to simulate a restart.
+vLLM), optionally more ``KVTransferConfig`` fields (``"transfer"``), and a list of requests run
+one after another. On a request:
+
+- ``"reset": true`` empties vLLM's own prefix cache first, so a repeat must come from hybridkv;
+  ``"reset_connector": true`` empties hybridkv's too, as after a weight update.
+- ``"batch": [ids, ...]`` in place of ``"tokens"`` submits several prompts at once (one result
+  list).
+- ``"salt"`` is vLLM's ``cache_salt`` (a salted prompt shares no page with the unsalted one: a
+  cold control).
+- ``"unlink_ram_regions": true`` removes the RAM region files from ``ram_dir`` first, so the
+  worker cannot attach them (a failure test).
+
+One process = one engine: the tests and the vLLM benchmark start a fresh process to simulate a
+restart.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 
 def run(job: dict) -> dict:
@@ -29,7 +38,7 @@ def run(job: dict) -> dict:
     if job.get("connector") is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="HybridKVConnector", kv_connector_module_path="hybridkv.integrations.vllm",
-            kv_role="kv_both", kv_connector_extra_config=job["connector"])
+            kv_role="kv_both", kv_connector_extra_config=job["connector"], **job.get("transfer", {}))
     t0 = time.perf_counter()
     llm = LLM(model=job["model"], dtype=job.get("dtype", "float32"), enforce_eager=True,
               skip_tokenizer_init=True, enable_prefix_caching=True,
@@ -38,6 +47,9 @@ def run(job: dict) -> dict:
               seed=0, **kwargs)
     results = {"engine_start_s": round(time.perf_counter() - t0, 2), "requests": []}
     for req in job["requests"]:
+        if req.get("unlink_ram_regions"):         # fault injection: the worker cannot attach them
+            for region in Path(job["connector"]["ram_dir"]).iterdir():
+                region.unlink()
         if req.get("reset") or req.get("reset_connector"):
             llm.reset_prefix_cache(reset_connector=bool(req.get("reset_connector")))
         params = SamplingParams(temperature=0.0, max_tokens=req.get("max_tokens", 8), ignore_eos=True)

@@ -40,13 +40,14 @@ def engine_env(in_process: bool = False) -> dict:
 
 
 def run_engine(model_dir: Path, family: str, connector: dict | None, requests: list[dict],
-               workdir: Path, name: str) -> dict:
-    """One fresh vLLM engine process; returns its results and the connector's stats file."""
+               workdir: Path, name: str, transfer: dict | None = None) -> dict:
+    """One fresh vLLM engine process; returns its results and the connector's stats file.
+    ``transfer``: more KVTransferConfig fields (kv_load_failure_policy)."""
     stats = workdir / f"{name}-stats.json"
     if connector is not None:
         connector = {**connector, "stats_file": str(stats)}
     job = {"model": str(model_dir), "dtype": dtype_of(family), "connector": connector,
-           "requests": requests, "max_tokens": 8}
+           "requests": requests, "max_tokens": 8, "transfer": transfer or {}}
     path = workdir / f"{name}-job.json"
     path.write_text(json.dumps(job))
     proc = subprocess.run([sys.executable, "-m", "hybridkv.tools.vllm_run", str(path)],

@@ -18,6 +18,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
@@ -145,14 +146,15 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self):
         self.worker.store(self._get_connector_metadata())
 
-    def get_finished(self, finished_req_ids):
-        return None, (self.worker.finished_loads() or None)
+    def get_transfer_results(self, finished_req_ids) -> KVConnectorTransferResults:
+        # Failed loads go by request: vLLM 0.32 refuses block-level failures
+        # (get_block_ids_with_load_errors) for models with several KV cache groups, as hybrid
+        # models have, and raises in its scheduler.
+        loaded, failed = self.worker.finished_loads()
+        return KVConnectorTransferResults(finished_recving=loaded | failed, failed_recving=failed)
 
     def build_connector_worker_meta(self):
         return self.worker.take_report()
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker.take_failed_blocks()
 
     def get_kv_connector_stats(self):
         side = self.scheduler if self.scheduler is not None else self.worker

@@ -67,6 +67,7 @@ class SchedulerSide:
         self._loads: dict[str, list[Copy]] = {}
         self._reservations: dict[int, _Reservation] = {}
         self._next_reservation = 0
+        self._failed_loads: set[str] = set()   # their load failed in the worker: no hit again
         self._closed = False
         self.history: deque[dict] = deque(maxlen=256)     # the last finished requests, for operators
         self._reported = {"loaded_tokens": 0, "stored_pages": 0}   # at the last stats call
@@ -84,7 +85,7 @@ class SchedulerSide:
         """Tokens beyond ``num_computed_tokens`` this cache restores (pinned when > 0)."""
         rid = request.request_id
         if rid in self._requests:         # asked again (not allocated, or preempted): start over
-            self.finish(rid)
+            self.finish(rid, final=False)
         tokens = request.prompt_token_ids
         if not tokens:
             return 0
@@ -92,8 +93,8 @@ class SchedulerSide:
         state = self.connector.begin(rid, tokens, salt, extra=extra, local_tokens=num_computed_tokens)
         ctx = self._requests[rid] = _Request(state, num_computed_tokens)
         self._ask_for_state(request, state)
-        if state.hit.tokens <= num_computed_tokens:
-            return 0
+        if state.hit.tokens <= num_computed_tokens or rid in self._failed_loads:
+            return 0                      # (a failed load would only fail again: vLLM recomputes)
         if self.connector.load(state) is None:
             return 0
         ctx.pinned = True
@@ -210,6 +211,7 @@ class SchedulerSide:
                 ctx = self._requests.get(req)
                 if ctx is not None and ctx.pinned:
                     self._unpin(ctx)
+            self._failed_loads |= report.load_failures
             self.stats.load_failures += len(report.load_failures)
         self.cache.poll()
 
@@ -218,7 +220,10 @@ class SchedulerSide:
         ctx.pinned = False
 
     # -- lifetimes --------------------------------------------------------------------------
-    def finish(self, request_id: str) -> None:
+    def finish(self, request_id: str, final: bool = True) -> None:
+        """The request is done (``final``) or about to be looked up afresh."""
+        if final:
+            self._failed_loads.discard(request_id)
         ctx = self._requests.pop(request_id, None)
         self._loads.pop(request_id, None)
         if ctx is not None:

@@ -1,11 +1,12 @@
 """The worker half: attaches the scheduler's RAM regions by path and copies pages.
 
 Loads are asynchronous in vLLM's sense: they run in a step in which the request is not
-scheduled, and the request runs once ``get_finished`` reported it, so vLLM's own Mamba
+scheduled, and the request runs once ``get_transfer_results`` reported it, so vLLM's own Mamba
 bookkeeping (which copies the state of the hit's block forward before each step) sees the
-loaded state. Stores run after the forward (the blocks hold what it just wrote). Nothing here decides what to copy.
-A failed copy is reported, never raised into vLLM: a failed load's blocks are recomputed
-and a failed store is abandoned.
+loaded state. Stores run after the forward (the blocks hold what it just wrote). Nothing here
+decides what to copy. A failed copy is reported, never raised into vLLM: a failed load fails
+its request's transfer (vLLM recomputes the request or fails it, by its
+``kv_load_failure_policy``) and a failed store is abandoned.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ class WorkerSide:
         self.copier: PagedCopier | None = None
         self.regions: dict[int, SharedRegion] = {}
         self.report = WorkerReport()
-        self.failed_blocks: set[int] = set()
         self.counters = {"load_bytes": 0, "store_bytes": 0, "load_s": 0.0, "store_s": 0.0}
 
     def register(self, kv_caches: dict) -> None:
@@ -58,9 +58,8 @@ class WorkerSide:
         requests = set(plan.loads)
         if self._copy("load", plan, plan.loads, self.copier.load):
             self.report.loaded |= requests
-        else:               # vLLM recomputes these blocks
+        else:               # vLLM recomputes these requests or fails them (its failure policy)
             self.report.load_failures |= requests
-            self.failed_blocks |= {b for cs in plan.loads.values() for c in cs for b in c.blocks}
 
     def store(self, plan: StepPlan) -> None:
         if not plan.stores:
@@ -69,9 +68,9 @@ class WorkerSide:
         (self.report.stored if ok else self.report.store_failures).update(plan.stores)
 
     def _copy(self, kind: str, plan: StepPlan, batches: dict, copy) -> bool:
-        self._attach(plan)
         t0 = time.perf_counter()
         try:
+            self._attach(plan)          # a region that cannot be attached fails this copy only
             for gid, (slots, blocks) in _merge([c for cs in batches.values() for c in cs]).items():
                 copy(gid, self.regions[gid], slots, blocks)
                 self.counters[f"{kind}_bytes"] += len(slots) * self.regions[gid].page_bytes
@@ -91,13 +90,9 @@ class WorkerSide:
         report, self.report = self.report, WorkerReport()
         return report or None
 
-    def finished_loads(self) -> set[str]:
-        """This step's finished loads; vLLM asks before it takes the step's report."""
-        return self.report.loaded | self.report.load_failures
-
-    def take_failed_blocks(self) -> set[int]:
-        failed, self.failed_blocks = self.failed_blocks, set()
-        return failed
+    def finished_loads(self) -> tuple[set[str], set[str]]:
+        """This step's loaded and failed requests; vLLM asks before it takes the step's report."""
+        return set(self.report.loaded), set(self.report.load_failures)
 
     def close(self) -> None:
         for region in self.regions.values():
