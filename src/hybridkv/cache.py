@@ -302,7 +302,7 @@ class TieredCache:
         while the engine thread goes on (a stop signal's drain)."""
         for tier in self.secondaries:
             tier.flush()
-        futures = {getattr(f, "batch", f) for w in list(self._writes) for f in w.futures}
+        futures = {getattr(f, "batch", f) for w in list(self._writes) for f in w.futures}  # items of a batch: its future
         return not wait(futures, timeout).not_done
 
     # -- lifecycle --------------------------------------------------------------------------

@@ -349,10 +349,11 @@ class FilesystemTier(SecondaryTier):
                 except OSError:
                     continue
         with self._lock:
-            skip = {n for group, positions in _by_group(_group_key(i)[0] for i in idents).items()
-                    for n, where in zip(positions, self._locate(group, [idents[n][2:] for n in positions]),
-                                        strict=True) if isinstance(where, tuple)}
-            dead = [page_file(self._namespace_str, *_group_key(idents[n])) for n in skip]   # packed too
+            skip = set()       # page files whose page is packed too: the pack's copy serves
+            for group, positions in _by_group(_group_key(i)[0] for i in idents).items():
+                locs = self._find_packed(group, [idents[n][2:] for n in positions])[1]
+                skip.update(positions[i] for i in np.flatnonzero(locs >= 0).tolist())
+            dead = [page_file(self._namespace_str, *_group_key(idents[n])) for n in skip]
             stamps, keys, values = [], [], []
             for n, ident in enumerate(idents):  # not those dropped or indexed meanwhile
                 if n not in skip and ident not in self._gone and ident not in self._lru:

@@ -53,10 +53,8 @@ def run(job: dict) -> dict:
         if req.get("reset") or req.get("reset_connector"):
             llm.reset_prefix_cache(reset_connector=bool(req.get("reset_connector")))
         params = SamplingParams(temperature=0.0, max_tokens=req.get("max_tokens", 8), ignore_eos=True)
-        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in req.get("batch") or [req["tokens"]]]
-        for prompt in prompts:
-            if req.get("salt"):
-                prompt["cache_salt"] = req["salt"]
+        salted = {"cache_salt": req["salt"]} if req.get("salt") else {}
+        prompts = [TokensPrompt(prompt_token_ids=ids, **salted) for ids in req.get("batch") or [req["tokens"]]]
         start = time.perf_counter()
         outs = [{"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens or 0}
                 for out in llm.generate(prompts, params, use_tqdm=False)]
