@@ -150,3 +150,83 @@ def test_a_store_refused_for_want_of_ram_releases_the_held_write_through(tmp_pat
             assert all(f.result(timeout=30) for f in w.futures)
         cache.poll()
         assert cache.store({0: [(key(4), page(0, 4))]})
+
+
+def _stored_on_disk(tmp_path, config, n):
+    """Pages 0..n-1 of both groups on disk, none in the RAM of the cache opened next."""
+    with TieredCache(LAYOUT, config) as cache:
+        for i in range(n):          # one at a time: RAM has few state slots
+            assert cache.store({g: [(key(i), page(g, i))] for g in (0, 1)})
+            cache.drain()
+
+
+def _flip_a_payload_byte(store, group, k):
+    tier = FilesystemTier(store, LAYOUT)
+    path, offset = tier.locate(group, k)
+    tier.close()
+    with open(path, "r+b") as f:
+        f.seek(offset + 100)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 1]))
+
+
+def test_a_started_promotion_is_shared_by_every_request_wanting_its_pages(tmp_path):
+    """vLLM's path: start the reads, answer at once, collect them a step later. A second
+    request wanting the same pages meanwhile waits on the same reads instead of missing."""
+    config = CacheConfig(block_tokens=16, ram_bytes=1024**2, store=str(tmp_path))
+    _stored_on_disk(tmp_path, config, 3)
+    with TieredCache(LAYOUT, config) as cache:
+        cache.store({0: [(key(9), page(0, 9))]})
+        first = cache.start_acquire({0: [key(9), key(0), key(1)], 1: [key(1)]}, "a")
+        assert cache.pools.pool(0).lookup(key(0)).value == "hit_pending"   # not served half-read
+        assert cache.pools.pool(0).refs_of(key(9)) == 2        # resident: pinned now (+ its write)
+        second = cache.start_acquire({0: [key(0), key(1), key(2)]}, "b")
+        assert second is not None and len(second.waiting) == 2      # joined + its own read
+        assert cache.stats()["promotions_in_flight"] == 2
+        views = cache.finish_acquire(second)
+        assert all(np.array_equal(v, page(0, i)) for i, v in enumerate(views[0]))
+        assert first.ready()
+        views = cache.finish_acquire(first)
+        assert np.array_equal(views[0][1], page(0, 0)) and np.array_equal(views[1][0], page(1, 1))
+        assert cache.pools.pool(0).refs_of(key(0)) == 2          # pinned once for each request
+        assert cache.counters["fs"].hits == 4                    # each page read once
+        cache.release_acquisition(first)
+        cache.release_acquisition(second)
+        cache.drain()
+        assert all(cache.pools.pool(0).refs_of(key(i)) == 0 for i in (0, 1, 2, 9))
+        assert cache.stats()["promotions_in_flight"] == 0
+
+
+def test_a_promotion_that_fails_fails_every_waiting_request_and_pins_nothing(tmp_path):
+    config = CacheConfig(block_tokens=16, ram_bytes=1024**2, store=str(tmp_path))
+    _stored_on_disk(tmp_path, config, 3)
+    _flip_a_payload_byte(tmp_path, 0, key(1))
+    with TieredCache(LAYOUT, config) as cache:
+        cache.store({0: [(key(9), page(0, 9))]})
+        cache.drain()
+        first = cache.start_acquire({0: [key(9), key(0), key(1)]}, "a")
+        second = cache.start_acquire({0: [key(1)], 1: [key(2)]}, "b")
+        assert cache.finish_acquire(first) is None
+        assert cache.finish_acquire(second) is None
+        pool = cache.pools.pool(0)
+        assert pool.refs_of(key(9)) == 0 and pool.refs_of(key(0)) == 0    # unpinned, still served
+        assert pool.lookup(key(1)).value == "miss" and cache.locate(0, [key(1)]) == [None]
+        assert cache.pools.pool(1).refs_of(key(2)) == 0
+        assert cache.request_finished("a") == 0 and cache.request_finished("b") == 0   # no leak
+
+
+def test_a_promotion_lands_for_nobody_when_its_request_is_gone(tmp_path):
+    """An aborted request: its pages still arrive (the next asker hits RAM), pinned for no one."""
+    config = CacheConfig(block_tokens=16, ram_bytes=1024**2, store=str(tmp_path))
+    _stored_on_disk(tmp_path, config, 2)
+    with TieredCache(LAYOUT, config) as cache:
+        cache.request_started("a")
+        acquisition = cache.start_acquire({0: [key(0), key(1)]}, "a")
+        cache.release_acquisition(acquisition)
+        assert cache.request_finished("a") == 0
+        cache.drain()
+        assert cache.locate(0, [key(0), key(1)]) == ["ram", "ram"]
+        assert cache.pools.pool(0).refs_of(key(0)) == 0
+        later = cache.start_acquire({0: [key(0)]}, "b")
+        assert not later.waiting and later.ready()

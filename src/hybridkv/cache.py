@@ -2,7 +2,9 @@
 
 RAM is primary. A page stored here is copied into a RAM slot and written through to every
 secondary tier in the background (its slot stays pinned until then). A page found only in
-a secondary tier is promoted into RAM first and then served from there.
+a secondary tier is promoted into RAM first and then served from there; an engine that can
+wait without blocking (vLLM) starts the promotion and collects it a step later
+(``start_acquire``/``finish_acquire``), one that cannot waits for it (``acquire``).
 """
 
 from __future__ import annotations
@@ -45,6 +47,36 @@ class _WriteThrough:
     futures: list[Future] = field(default_factory=list)
 
 
+class Promotion:
+    """Pages being read from slower tiers into RAM slots reserved for them. The slots are
+    write-pending, so nothing serves or evicts them meanwhile; a request wanting one of the
+    pages waits on the promotion instead of reading it again. Settled once: each waiting
+    acquisition then gets the pages that arrived pinned for it."""
+
+    def __init__(self, jobs: list[tuple[int, bytes, SecondaryTier, Future]]):
+        self.jobs = jobs
+        self.waiters: list[Acquisition] = []
+        self.settled = False
+
+    def done(self) -> bool:
+        return self.settled or all(future.done() for *_, future in self.jobs)
+
+
+@dataclass(eq=False)
+class Acquisition:
+    """A request's pages: those pinned for it, and those it waits for from promotions."""
+
+    wanted: dict[int, list[bytes]]
+    request: str | None
+    pinned: dict[int, list[bytes]]
+    waiting: dict[Promotion, dict[int, list[bytes]]]
+    failed: bool = False          # a page it waited for did not arrive
+
+    def ready(self) -> bool:
+        """Would ``finish_acquire`` return without waiting?"""
+        return all(promotion.done() for promotion in self.waiting)
+
+
 class TieredCache:
     """The one object a connector talks to: lookups, loads, stores, request lifetimes.
 
@@ -65,6 +97,7 @@ class TieredCache:
         self.secondaries: list[SecondaryTier] = []
         self.counters: dict[str, TierCounters] = {RAM: TierCounters()}
         self._writes: list[_WriteThrough] = []
+        self._promotions: dict[tuple[int, bytes], Promotion] = {}    # pages in flight into RAM
         try:
             if pageless:
                 self.regions = {gid: PagelessRegion(slots, layout.group(gid).page_bytes)
@@ -104,6 +137,8 @@ class TieredCache:
         number that leaked."""
         for tier in self.secondaries:
             tier.flush()          # the request's pages are complete: no reason to hold them
+        for promotion in set(self._promotions.values()):   # nothing to pin for it any more
+            promotion.waiters = [a for a in promotion.waiters if a.request != request]
         return self.pools.request_finished(request)
 
     def touch(self, wanted: Mapping[int, Sequence[bytes]]) -> None:
@@ -141,45 +176,83 @@ class TieredCache:
     # -- loads ------------------------------------------------------------------------------
     def acquire(self, wanted: Mapping[int, Sequence[bytes]], request: str | None = None
                 ) -> dict[int, list[np.ndarray]] | None:
-        """Pin every wanted page in RAM (promoting from secondary tiers) and return views.
+        """Pin every wanted page in RAM (promoting from secondary tiers, waiting for the
+        reads) and return views. None when a page could not be brought into RAM (gone,
+        corrupt, or RAM refused): the caller recomputes its hit, which now sees it missing."""
+        acquisition = self.start_acquire(wanted, request)
+        return None if acquisition is None else self.finish_acquire(acquisition)
 
-        Pages already in RAM are pinned first, so promoting the rest cannot evict them.
-        None when a page could not be brought into RAM (gone, corrupt, or RAM refused):
-        the caller recomputes its hit, which now sees the page as missing.
-        """
+    def start_acquire(self, wanted: Mapping[int, Sequence[bytes]], request: str | None = None
+                      ) -> Acquisition | None:
+        """Pin the wanted pages RAM holds and start reading the others into RAM; returns at
+        once. None (nothing pinned) when a page is gone, half-written, or RAM refused.
+
+        Pages already in RAM are pinned first, so promoting the rest cannot evict them; a
+        page another request is promoting is waited for, not read twice."""
         resident: dict[int, list[bytes]] = {}
         missing: dict[int, list[bytes]] = {}
+        joined: dict[Promotion, dict[int, list[bytes]]] = {}
         for gid, keys in wanted.items():
             pool = self.pools.pool(gid)
             for key in keys:
                 state = pool.lookup(key)
-                if state is Lookup.HIT_PENDING:
+                if state is Lookup.HIT:
+                    resident.setdefault(gid, []).append(key)
+                elif state is Lookup.MISS:
+                    missing.setdefault(gid, []).append(key)
+                elif (gid, key) in self._promotions:
+                    joined.setdefault(self._promotions[(gid, key)], {}).setdefault(gid, []).append(key)
+                else:                     # the engine is still writing it
                     return None
-                (resident if state is Lookup.HIT else missing).setdefault(gid, []).append(key)
         self.pools.prepare_load(resident, request)
-        if missing and not self._promote(missing):
-            self.pools.complete_load(resident, request)
-            return None
+        acquisition = Acquisition({gid: list(keys) for gid, keys in wanted.items()}, request,
+                                  resident, joined)
         if missing:
-            self.pools.prepare_load(missing, request)
+            promotion = self._start_promotion(missing)
+            if promotion is None:
+                self.pools.complete_load(resident, request)
+                return None
+            acquisition.waiting[promotion] = missing
+        for promotion in acquisition.waiting:
+            promotion.waiters.append(acquisition)
         self.counters[RAM].hits += sum(len(k) for k in resident.values())
+        return acquisition
+
+    def finish_acquire(self, acquisition: Acquisition) -> dict[int, list[np.ndarray]] | None:
+        """Wait for the acquisition's promotions and return views of its pages, all pinned;
+        None when one did not arrive (its pins are then released)."""
+        for promotion in list(acquisition.waiting):
+            self._settle(promotion)
+        if acquisition.failed:
+            self.release_acquisition(acquisition)
+            return None
         views = {}
-        for gid, keys in wanted.items():
+        for gid, keys in acquisition.wanted.items():
             region, pool = self.regions[gid], self.pools.pool(gid)
             views[gid] = [region.page(pool.slot_of(k)) for k in keys]
             self.counters[RAM].bytes_out += len(keys) * region.page_bytes
         return views
 
+    def release_acquisition(self, acquisition: Acquisition) -> None:
+        """Unpin what the acquisition holds and stop waiting for the rest (finished,
+        aborted or failed, in any state)."""
+        for promotion in acquisition.waiting:
+            promotion.waiters = [a for a in promotion.waiters if a is not acquisition]
+        acquisition.waiting = {}
+        self.pools.complete_load(acquisition.pinned, acquisition.request)
+        acquisition.pinned = {}
+
     def release(self, wanted: Mapping[int, Sequence[bytes]], request: str | None = None) -> None:
         self.pools.complete_load(wanted, request)
 
-    def _promote(self, missing: Mapping[int, Sequence[bytes]]) -> bool:
-        """Read pages from the first secondary tier holding them into fresh RAM slots."""
+    def _start_promotion(self, missing: Mapping[int, Sequence[bytes]]) -> Promotion | None:
+        """Reserve RAM slots for pages only secondary tiers hold and start reading each from
+        the first tier holding it."""
         sources: dict[tuple[int, bytes], str] = {}
         for gid, keys in missing.items():
             for key, where in zip(keys, self.locate(gid, keys), strict=True):
                 if where is None:
-                    return False
+                    return None
                 sources[(gid, key)] = where
         plans = self.pools.prepare_store(missing)
         if plans is None and self._writes:
@@ -188,7 +261,7 @@ class TieredCache:
             self.drain()
             plans = self.pools.prepare_store(missing)
         if plans is None:
-            return False
+            return None
         by_tier: dict[str, list] = {}
         for gid, plan in plans.items():
             for key, slot in zip(plan.keys, plan.slots, strict=True):
@@ -198,17 +271,40 @@ class TieredCache:
             items = by_tier.get(tier.name, [])
             for (gid, key, _), future in zip(items, tier.submit_reads(items), strict=True):
                 jobs.append((gid, key, tier, future))
+        promotion = Promotion(jobs)
+        for gid, key, _, _ in jobs:
+            self._promotions[(gid, key)] = promotion
+        return promotion
+
+    def _settle(self, promotion: Promotion) -> None:
+        """Wait for a promotion's reads, publish the pages that arrived, pin them for every
+        acquisition waiting on them and mark those missing a page as failed."""
+        if promotion.settled:
+            return
+        promotion.settled = True
         outcome: dict[bool, dict[int, list[bytes]]] = {True: {}, False: {}}
-        for gid, key, tier, future in jobs:
+        lost = set()
+        for gid, key, tier, future in promotion.jobs:
             success = bool(future.result())
             outcome[success].setdefault(gid, []).append(key)
+            del self._promotions[(gid, key)]
             if success:
                 counters = self.counters[tier.name]
                 counters.hits += 1
                 counters.bytes_out += self.layout.group(gid).page_bytes
+            else:
+                lost.add((gid, key))
         for success, keys in outcome.items():
             self.pools.complete_store(keys, success)
-        return not outcome[False]
+        for acquisition in promotion.waiters:
+            arrived = {}
+            for gid, keys in acquisition.waiting.pop(promotion).items():
+                arrived[gid] = [k for k in keys if (gid, k) not in lost]
+                acquisition.failed |= len(arrived[gid]) < len(keys)
+            self.pools.prepare_load(arrived, acquisition.request)
+            for gid, keys in arrived.items():
+                acquisition.pinned.setdefault(gid, []).extend(keys)
+        promotion.waiters = []
 
     # -- stores -----------------------------------------------------------------------------
     def store(self, pages: Mapping[int, Sequence[tuple[bytes, np.ndarray]]]) -> bool:
@@ -272,7 +368,10 @@ class TieredCache:
         return self.pools.pool(group).slot_of(key)
 
     def poll(self) -> int:
-        """End-of-step: unpin pages whose write-through finished; returns how many."""
+        """End-of-step: publish promotions whose reads finished (their pages are pinned for
+        whoever waits), unpin pages whose write-through finished; returns how many of those."""
+        for promotion in {p for p in self._promotions.values() if p.done()}:
+            self._settle(promotion)
         done, waiting = [], []
         for w in self._writes:
             (done if all(f.done() for f in w.futures) else waiting).append(w)
@@ -282,7 +381,10 @@ class TieredCache:
         return len(done)
 
     def drain(self) -> None:
-        """Wait for every write-through (clean shutdown, or before another process reads)."""
+        """Wait for every promotion and write-through (clean shutdown, or before another
+        process reads)."""
+        for promotion in set(self._promotions.values()):
+            self._settle(promotion)
         for tier in self.secondaries:
             tier.flush()
         for w in self._writes:
@@ -313,7 +415,8 @@ class TieredCache:
         tiers = {name: vars(c).copy() for name, c in self.counters.items()}
         for tier in self.secondaries:
             tiers[tier.name].update(tier.stats)
-        return {"groups": groups, "tiers": tiers, "pending_writes": len(self._writes)}
+        return {"groups": groups, "tiers": tiers, "pending_writes": len(self._writes),
+                "promotions_in_flight": len(set(self._promotions.values()))}
 
     def close(self) -> None:
         try:

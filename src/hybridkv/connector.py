@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from hybridkv.cache import TieredCache
+from hybridkv.cache import Acquisition, TieredCache
 from hybridkv.core.keys import block_hashes
 from hybridkv.core.layout import GroupKind, Layout
 from hybridkv.core.retention import Hit, Retention, compute_hit
@@ -50,7 +50,7 @@ class RequestState:
     pending: dict[Offer, dict] = field(default_factory=dict)
     max_stored_tokens: int | None = None
     local_blocks: int = 0      # leading blocks the engine already holds itself
-    loaded: dict[int, list[bytes]] | None = None
+    loaded: Acquisition | None = None     # the hit's pages, pinned (or some still promoting)
     where: dict[int, list[str | None]] = field(default_factory=dict)   # tier per (group, block)
 
     @property
@@ -159,20 +159,43 @@ class Connector:
 
     def load(self, req: RequestState) -> dict[int, list[np.ndarray]] | None:
         """Pin the hit's pages in RAM and return views: token groups get every block up to
-        the hit, state groups the one state at the hit. Shrinks the hit if a page vanished."""
+        the hit, state groups the one state at the hit. Waits for pages promoted from slower
+        tiers; shrinks the hit if a page vanished or did not read back."""
+        for _ in range(self.MAX_LOAD_ATTEMPTS):
+            acquisition = self.start_load(req)
+            if acquisition is None:
+                return None
+            views = self.finish_load(req)
+            if views is not None:
+                return views
+            req.hit = self._find_hit(req)     # a read failed (evicted, corrupt): look again
+        req.hit = Hit(0, req.hit.attention_tokens, req.hit.junction)
+        return None
+
+    def start_load(self, req: RequestState) -> Acquisition | None:
+        """``load`` without the wait: pins what RAM holds and starts reading the rest, then
+        returns (``Acquisition.ready`` says when ``finish_load`` will not block). Shrinks
+        the hit if a page vanished before its read started; None when nothing is left."""
         for _ in range(self.MAX_LOAD_ATTEMPTS):
             if req.hit.tokens == 0:
                 return None
             blocks = self.hit_blocks(req)
             wanted = {gid: [req.keys[b] for b in bs] for gid, bs in blocks.items()}
-            views = self.cache.acquire(wanted, req.request_id)
-            if views is not None:
-                req.loaded = wanted
+            req.loaded = self.cache.start_acquire(wanted, req.request_id)
+            if req.loaded is not None:
                 req.sources, req.token_sources = self._sources(req, blocks)
-                return views
+                return req.loaded
             req.hit = self._find_hit(req)     # a page was lost (evicted, corrupt): look again
         req.hit = Hit(0, req.hit.attention_tokens, req.hit.junction)
         return None
+
+    def finish_load(self, req: RequestState) -> dict[int, list[np.ndarray]] | None:
+        """Views of the started load's pages once all are in RAM; None (nothing pinned any
+        more) when a page did not read back: the engine recomputes instead."""
+        views = self.cache.finish_acquire(req.loaded)
+        if views is None:
+            req.loaded = None
+        return views
 
     def _sources(self, req: RequestState, blocks: dict[int, range]) -> tuple[dict[str, int], dict[str, int]]:
         """Pages loaded from each tier, and the loaded tokens by tier: a block's tokens count
@@ -196,8 +219,8 @@ class Connector:
         """Unpin loaded pages and refresh recency so the prefix outlives its tail."""
         if req.loaded is None:
             return
-        self.cache.release(req.loaded, req.request_id)
-        self.cache.touch(req.loaded)
+        self.cache.release_acquisition(req.loaded)
+        self.cache.touch(req.loaded.wanted)
         self.stats["hit_tokens"] += req.hit.tokens
         req.loaded = None
 

@@ -6,7 +6,9 @@ that hits at that junction, then all of them at once in one batch, twice: restor
 hybridkv, then by vLLM's own prefix cache. Last, P after a reset of both caches (as after a
 weight update), and P once more. Engine B is a new process on the same store with a small
 RAM budget: it restores the prompt from disk (from Redis for the Llama run, which gets a
-store of its own), then other prompts push it out of RAM while a recent one still hits.
+store of its own), then other prompts push it out of RAM while a recent one still hits. For
+two families engine B recomputes failed loads (``kv_load_failure_policy: recompute``), so its
+disk reads run in the background; the others wait for them inside the lookup.
 Every restore is compared with a cold run of the same tokens.
 """
 
@@ -16,6 +18,7 @@ from engines import keys_of, run_engine, stored_payload, tokens
 
 HYBRID = ["lfm2", "qwen3_next", "granite_h"]
 FAMILIES = ["llama", *HYBRID]
+BACKGROUND_READS = {"qwen3_next", "granite_h"}      # engine B promotes asynchronously
 P, R = tokens(1, 2048), tokens(9, 2048)
 SIBLING, THIRD = P[:1100] + tokens(2, 948), P[:1100] + tokens(3, 948)
 PRESSURE = [tokens(10 + i, 2048) for i in range(3)]
@@ -58,7 +61,7 @@ def runs(checkpoints, tmp_path_factory, redis_server):
                 {"tokens": P}, {"tokens": R, "reset": True},
                 *({"tokens": q, "reset": True} for q in PRESSURE),
                 {"tokens": PRESSURE[-1], "reset": True}, {"tokens": P, "reset": True},
-            ], work, "B")
+            ], work, "B", transfer={"kv_load_failure_policy": "recompute"} if family in BACKGROUND_READS else None)
             _runs[family] = {"A": a, "B": b, "block_tokens": B}
         return _runs[family]
     return get
@@ -82,6 +85,7 @@ def test_new_process_restores_from_the_store(runs, family):
     assert restored["tokens"] == r["A"]["requests"][0]["tokens"]
     tier = "remote" if family == "llama" else "fs"
     assert r["B"]["stats"]["requests"][0]["sources"][tier] > 0
+    assert r["B"]["stats"]["vllm"]["async_promotion"] == (family in BACKGROUND_READS)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -137,6 +141,11 @@ def test_corrupt_page_is_a_miss_not_wrong_tokens(runs, family):
     assert restored["cached"] < replay(len(R), r["block_tokens"])
     assert restored["tokens"] == r["A"]["requests"][5]["tokens"]
     assert r["B"]["stats"]["cache"]["tiers"]["fs"].get("corrupt", 0) >= 1
+    stats = r["B"]["stats"]["vllm"]
+    if family in BACKGROUND_READS:      # found in the background: the load fails, vLLM recomputes
+        assert stats["promotion_failures"] == 1 and stats["load_failures"] == 1, stats
+    else:                               # found inside the lookup: the hit shrinks
+        assert stats["promotion_failures"] == 0 and stats["load_failures"] == 0, stats
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -5,9 +5,11 @@
       "kv_connector_extra_config": {"store": "/var/cache/hybridkv", "ram_bytes": "8GiB"}}'
 
 vLLM builds one instance per role; this class only dispatches to the scheduler half
-(``scheduler.py``) or the worker half (``worker.py``). The pages of a reported hit are
-already in RAM (pinned when the hit was reported), so a load is a memory copy that completes
-in the next step; it is asynchronous only so that it happens before vLLM prepares the request.
+(``scheduler.py``) or the worker half (``worker.py``). The pages of a reported hit are pinned
+in RAM, or being read into RAM from disk or Redis, when the hit is reported; a load is a
+memory copy the worker makes once they are all there. It is asynchronous in vLLM's sense so
+that it happens before vLLM prepares the request, and so that those reads never stall the
+engine (``async_promotion``).
 """
 
 from __future__ import annotations

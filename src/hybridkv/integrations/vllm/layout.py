@@ -23,7 +23,7 @@ from hybridkv.core.identity import checkpoint_revision, software_versions
 from hybridkv.core.layout import Group, GroupKind, Layout
 
 # kv_connector_extra_config keys that belong to the integration, not to CacheConfig.
-INTEGRATION_KEYS = ("stats_file",)
+INTEGRATION_KEYS = ("stats_file", "async_promotion")
 
 
 def group_kind(spec, prefix_cacheable: bool) -> GroupKind:

@@ -31,11 +31,13 @@ class Copy:
 @dataclass
 class StepPlan(KVConnectorMetadata):
     """Scheduler -> worker: the regions, this step's loads (per request, before the forward)
-    and stores (per reservation, after it)."""
+    and stores (per reservation, after it), and the loads that failed before reaching the
+    worker (a disk or Redis read), which only the worker can report to vLLM."""
 
     regions: dict[int, RegionInfo]
     loads: dict[str, list[Copy]]
     stores: dict[int, list[Copy]]
+    failed_loads: set[str] = field(default_factory=set)
 
 
 @dataclass

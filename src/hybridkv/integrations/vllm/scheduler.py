@@ -5,6 +5,14 @@ hit over every tier and pins the hit's pages in RAM *before* reporting it (a rep
 always servable). It then tells the worker, per step, which RAM slots to copy into which vLLM
 blocks (loads) and which freshly computed blocks and boundary states to copy out (stores into
 slots it reserved). The worker's report completes the stores, which then go to disk/Redis.
+
+Pages of a hit that only disk or Redis hold are read into RAM first (promotion). Waiting for
+those reads inside vLLM's scheduler would stall every running request's next token, so when
+vLLM recomputes a failed load (``kv_load_failure_policy: recompute``) the reads run in the
+background: the request waits in vLLM's WAITING_FOR_REMOTE_KVS until they land, and a read
+that fails then fails its load, which vLLM recomputes. Under vLLM's default policy (``fail``)
+such a failure would end the request, so there the reads finish before the hit is reported
+and a failed read only shortens the hit (``async_promotion`` overrides either way).
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +56,9 @@ class SchedulerStats:
     loads: int = 0
     load_failures: int = 0
     loaded_tokens: int = 0
+    promotions_waited: int = 0    # loads that waited for disk/Redis reads in the background
+    promotion_failures: int = 0   # of those, loads a read failed (vLLM recomputes them)
+    match_ms_max: float = 0.0     # the longest lookup vLLM's scheduler waited for
     stores_refused: int = 0       # RAM had no free slot (everything pinned) for an offer
     store_failures: int = 0
     junctions_requested: int = 0
@@ -67,14 +79,19 @@ class SchedulerSide:
         self._loads: dict[str, list[Copy]] = {}
         self._reservations: dict[int, _Reservation] = {}
         self._next_reservation = 0
-        self._failed_loads: set[str] = set()   # their load failed in the worker: no hit again
+        self._failed_loads: set[str] = set()   # their load failed: no hit again
+        self._promoting: dict[str, list[Copy]] = {}   # allocated loads whose reads are in flight
+        self._promotion_failed: set[str] = set()      # for the worker to report as failed loads
+        self.async_promotion = async_promotion(extra, vllm_config)
         self._closed = False
         self.history: deque[dict] = deque(maxlen=256)     # the last finished requests, for operators
         self._reported = {"loaded_tokens": 0, "stored_pages": 0}   # at the last stats call
         atexit.register(self.close)      # background writes reach disk even without shutdown()
-        log.info("hybridkv: layout %s, %d groups, RAM %d B, tiers %s", self.layout.fingerprint(),
+        log.info("hybridkv: layout %s, %d groups, RAM %d B, tiers %s%s", self.layout.fingerprint(),
                  len(self.layout.groups), config.ram_bytes,
-                 [t.name for t in self.cache.secondaries] or "RAM only")
+                 [t.name for t in self.cache.secondaries] or "RAM only",
+                 ", disk/Redis reads in the background" if self.async_promotion and self.cache.secondaries
+                 else "")
         if self.cache.secondaries and drain_before_stop(self.cache.wait_written) \
                 and not getattr(vllm_config, "shutdown_timeout", 0):
             log.info("hybridkv: vLLM kills the engine at once on a stop (--shutdown-timeout 0): "
@@ -82,7 +99,14 @@ class SchedulerSide:
 
     # -- lookup -----------------------------------------------------------------------------
     def match(self, request, num_computed_tokens: int) -> int:
-        """Tokens beyond ``num_computed_tokens`` this cache restores (pinned when > 0)."""
+        """Tokens beyond ``num_computed_tokens`` this cache restores (pinned, or being read
+        into RAM, when > 0)."""
+        t0 = time.perf_counter()
+        tokens = self._match(request, num_computed_tokens)
+        self.stats.match_ms_max = max(self.stats.match_ms_max, (time.perf_counter() - t0) * 1e3)
+        return tokens
+
+    def _match(self, request, num_computed_tokens: int) -> int:
         rid = request.request_id
         if rid in self._requests:         # asked again (not allocated, or preempted): start over
             self.finish(rid, final=False)
@@ -95,7 +119,8 @@ class SchedulerSide:
         self._ask_for_state(request, state)
         if state.hit.tokens <= num_computed_tokens or rid in self._failed_loads:
             return 0                      # (a failed load would only fail again: vLLM recomputes)
-        if self.connector.load(state) is None:
+        loading = self.connector.start_load(state) if self.async_promotion else self.connector.load(state)
+        if loading is None:
             return 0
         ctx.pinned = True
         if state.hit.tokens <= num_computed_tokens:       # the hit shrank while pinning
@@ -136,7 +161,11 @@ class SchedulerSide:
             targets = [(slot, block) for slot, block in targets if block != 0]   # 0: vLLM's null block
             if targets:
                 copies.append(Copy(gid, [s for s, _ in targets], [b for _, b in targets]))
-        self._loads[request.request_id] = copies
+        if not self.async_promotion:
+            self._loads[request.request_id] = copies
+        else:                             # to the worker once every page is in RAM
+            self._promoting[request.request_id] = copies
+            self.stats.promotions_waited += not ctx.state.loaded.ready()
         ctx.loaded_tokens = num_external_tokens
         self.stats.loads += 1
         self.stats.loaded_tokens += num_external_tokens
@@ -157,13 +186,28 @@ class SchedulerSide:
     # -- stores -----------------------------------------------------------------------------
     def plan_step(self, scheduled: dict[str, tuple[int, int]], block_ids_of) -> StepPlan:
         """The step's loads and stores; ``scheduled`` maps request -> (start, end) tokens."""
-        plan = StepPlan(self.regions, self._loads, {})
-        self._loads = {}
+        self._collect_promotions()
+        plan = StepPlan(self.regions, self._loads, {}, self._promotion_failed)
+        self._loads, self._promotion_failed = {}, set()
         for rid, (start, end) in scheduled.items():
             ctx = self._requests.get(rid)
             if ctx is not None and end > start:
                 self._plan_stores(ctx, start, end, block_ids_of(rid), plan)
         return plan
+
+    def _collect_promotions(self) -> None:
+        """Loads whose reads have landed go to the worker now; a load a read failed is handed
+        to the worker to report as failed (vLLM then recomputes the request)."""
+        for rid in [rid for rid in self._promoting if self._requests[rid].state.loaded.ready()]:
+            copies = self._promoting.pop(rid)
+            ctx = self._requests[rid]
+            if self.connector.finish_load(ctx.state) is not None:
+                self._loads[rid] = copies
+                continue
+            ctx.pinned = False
+            self._promotion_failed.add(rid)
+            self._failed_loads.add(rid)
+            self.stats.promotion_failures += 1
 
     def _plan_stores(self, ctx: _Request, start: int, end: int, block_ids, plan: StepPlan) -> None:
         state, conn, B = ctx.state, self.connector, self.B
@@ -226,6 +270,7 @@ class SchedulerSide:
             self._failed_loads.discard(request_id)
         ctx = self._requests.pop(request_id, None)
         self._loads.pop(request_id, None)
+        self._promoting.pop(request_id, None)
         if ctx is not None:
             self.history.append({"request": request_id, "prompt_tokens": ctx.state.n_tokens,
                                  "local_tokens": ctx.local_tokens, "loaded_tokens": ctx.loaded_tokens,
@@ -243,7 +288,8 @@ class SchedulerSide:
         return delta
 
     def summary(self) -> dict:
-        return {"connector": dict(self.connector.stats), "vllm": vars(self.stats),
+        return {"connector": dict(self.connector.stats),
+                "vllm": {**vars(self.stats), "async_promotion": self.async_promotion},
                 "requests": list(self.history),
                 "cache": self.cache.stats(), "layout": self.layout.fingerprint(),
                 "block_tokens": self.B}
@@ -274,6 +320,20 @@ class SchedulerSide:
         return ", ".join(f"{t.name}: {tiers[t.name].get('writes', 0)} pages written, "
                          f"{tiers[t.name]['hits']} served, {tiers[t.name].get('write_errors', 0)} "
                          "write errors" for t in self.cache.secondaries) or "none"
+
+
+def async_promotion(extra: dict, vllm_config) -> bool:
+    """Read disk/Redis pages in the background? ``async_promotion`` in the extra config (true,
+    false, or "auto": only where vLLM recomputes a failed load, so a failed read costs a
+    recompute, never the request)."""
+    setting = extra.get("async_promotion", "auto")
+    if setting == "auto":
+        transfer = getattr(vllm_config, "kv_transfer_config", None)
+        return getattr(transfer, "kv_load_failure_policy", "fail") == "recompute"
+    if not isinstance(setting, bool):
+        raise HybridKVError(f"kv_connector_extra_config async_promotion={setting!r} is not valid; "
+                            'use true, false or "auto"')
+    return setting
 
 
 def request_identity(request) -> tuple[str | None, bytes | None]:

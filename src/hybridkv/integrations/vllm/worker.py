@@ -53,6 +53,7 @@ class WorkerSide:
                 self.regions[gid] = SharedRegion.attach(info.path, info.slots, info.page_bytes)
 
     def load(self, plan: StepPlan) -> None:
+        self.report.load_failures |= plan.failed_loads
         if not plan.loads:
             return
         requests = set(plan.loads)
