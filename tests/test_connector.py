@@ -152,6 +152,58 @@ def test_loaded_tokens_count_for_the_slowest_tier_of_their_pages(tmp_path, local
         conn.finish(req)
 
 
+def test_a_started_load_finished_before_its_reads_landed_pins_nothing(tmp_path):
+    """An aborted vLLM request whose disk reads are in flight: finishing it detaches it from
+    them; the pages still arrive and are served to the next request."""
+    ids = tokens(4 * B + 1, 15)
+    config = CacheConfig(block_tokens=B, ram_bytes=1024**2, ram_dir=str(tmp_path), store=str(tmp_path / "s"))
+    _stored_on_disk(LAYOUT, config, ids, 4, 4 * B)
+    with TieredCache(LAYOUT, config) as cache:
+        conn = Connector(cache)
+        req = conn.begin("aborted", ids)
+        assert req.hit.tokens == 4 * B and conn.start_load(req).waiting
+        conn.finish(req)
+        cache.poll()
+        cache.drain()
+        assert all(cache.pools.pool(0).refs_of(k) == 0 for k in req.keys[:4])
+        nxt = conn.begin("next", ids)
+        views = conn.load(nxt)
+        assert nxt.sources == {"ram": 5, "fs": 0}
+        assert all(np.array_equal(views[0][b], page(0, b)) for b in range(4))
+        conn.finish(nxt)
+
+
+def test_a_load_whose_read_fails_looks_again_and_serves_the_shorter_hit(tmp_path):
+    """Inside the lookup (no engine step to wait for) a failed read only shortens the hit."""
+    from hybridkv.tiers.filesystem import FilesystemTier
+
+    ids = tokens(4 * B + 1, 16)
+    config = CacheConfig(block_tokens=B, ram_bytes=1024**2, ram_dir=str(tmp_path), store=str(tmp_path / "s"),
+                         retention=2 * B, reference_tokens=8 * B)
+    _stored_on_disk(LAYOUT, config, ids, 4, 4 * B)
+    with TieredCache(LAYOUT, config) as cache:      # plus the state at 2B, in RAM
+        conn = Connector(cache)
+        keys = conn.begin("keys", ids).keys
+        assert cache.store({1: [(keys[1], page(1, 2))]})
+    tier = FilesystemTier(tmp_path / "s", LAYOUT)
+    path, offset = tier.locate(0, keys[3])
+    tier.close()
+    with open(path, "r+b") as f:                    # block 3's attention page is corrupt
+        f.seek(offset + 7)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 1]))
+    with TieredCache(LAYOUT, config) as cache:
+        conn = Connector(cache)
+        req = conn.begin("r", ids)
+        assert req.hit.tokens == 4 * B
+        views = conn.load(req)
+        assert req.hit.tokens == 2 * B and views is not None
+        assert np.array_equal(views[1][0], page(1, 2))
+        conn.finish(req)
+        assert cache.pools.pool(1).refs_of(keys[1]) == 0      # nothing left pinned
+
+
 def test_a_state_only_model_s_tokens_come_with_its_state(tmp_path):
     from hybridkv.core.layout import layout_from_dict
 

@@ -8,6 +8,7 @@ STATS = {
                    "evictions": 1, "store_refusals": 0}},
     "tiers": {"ram": {"hits": 4, "misses": 2}, 'odd "tier"\\\n': {"hits": 1, "corrupt": 7}},
     "pending_writes": 2,
+    "promotions_in_flight": 1,
     "connector": {"requests": 3, "offers_pending": 1},
 }
 
@@ -24,6 +25,7 @@ def test_exposition_parses_back_with_escaped_labels():
     assert got[("hybridkv_tier_corrupt_total", (("tier", 'odd "tier"\\\n'),))] == 7
     assert got[("hybridkv_tier_hits_total", (("tier", "ram"),))] == 4
     assert got[("hybridkv_pending_writes", ())] == 2
+    assert got[("hybridkv_promotions_in_flight", ())] == 1
     assert got[("hybridkv_connector_offers_pending", ())] == 1
     assert got[("hybridkv_connector_requests_total", ())] == 3
     assert not any(name.startswith("hybridkv_tier_outages") for name, _ in got)   # absent, not 0

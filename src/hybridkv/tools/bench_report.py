@@ -290,8 +290,29 @@ def vllm_table(results: dict) -> str:
                      if cold and ram and disk else "-")
             lines.append(f"| {fam['family']} | {r['tokens']:,} | {cell(cold)} | {cell(r['vllm_local'])} | "
                          f"{cell(r['hybridkv_cold'])} | {cell(ram)} | {cell(disk)} | {speed} |")
+    lines += _background_reads_table(results)
     lines.append(f"\nvLLM's OffloadingConnector on this build: {results['offloading']}")
     return "\n".join(lines)
+
+
+def _background_reads_table(results: dict) -> list[str]:
+    """Disk restores with the reads inside hybridkv's lookup vs in the background: TTFT, and
+    how long vLLM's scheduler (every running request with it) waited in the lookup."""
+    rows = [(fam["family"], r) for fam in results["families"] for r in fam["rows"]
+            if r.get("hybridkv_disk_async") and r["hybridkv_disk"] and "match_ms" in r["hybridkv_disk"]]
+    if not rows:
+        return []
+    lines = ["\nDisk restores in a new process, the reads inside the lookup (vLLM's default failure "
+             "policy) vs in the background (`kv_load_failure_policy: recompute`); the lookup is "
+             "what vLLM's scheduler, and every running request with it, waits for:\n",
+             "| family | prompt | TTFT, reads in the lookup | scheduler waited | TTFT, reads in the "
+             "background | scheduler waited | wait ratio |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for family, r in rows:
+        sync, bg = r["hybridkv_disk"], r["hybridkv_disk_async"]
+        lines.append(f"| {family} | {r['tokens']:,} | {sync['ttft_s'] * 1000:.0f} ms | {sync['match_ms']:.1f} ms | "
+                     f"{bg['ttft_s'] * 1000:.0f} ms | {bg['match_ms']:.1f} ms | "
+                     f"{bg['match_ms'] / sync['match_ms']:.2f}x |")
+    return lines
 
 
 def vllm_summary(results: dict) -> str:

@@ -1,6 +1,9 @@
 """TTFT through stock vLLM: cold vs hybridkv RAM vs hybridkv disk (new process), against the
 ceilings measured in the same run: vLLM without a connector (cold) and vLLM's own prefix
 cache (a repeat in the same engine), and vLLM's native OffloadingConnector where it runs.
+The disk restore runs twice, with the reads inside vLLM's scheduler (its default failure
+policy) and in the background (``kv_load_failure_policy: recompute``); for both, how long
+the scheduler waited in hybridkv's lookup, which every running request waits for too.
 
     .venv-vllm/bin/python -m hybridkv.tools.bench_vllm [--families lfm2,qwen3_next] [--out F]
 
@@ -36,9 +39,12 @@ def _prompts(length: int, reps: int) -> list[list[int]]:
             for i in range(reps)]
 
 
-def _engine(work: Path, name: str, model: Path, family: str, connector, requests) -> dict:
+def _engine(work: Path, name: str, model: Path, family: str, connector, requests,
+            transfer: dict | None = None) -> dict:
+    if connector is not None:
+        connector = {**connector, "stats_file": str(work / f"{name}-stats.json")}
     job = {"model": str(model), "dtype": dtype_of(family), "connector": connector,
-           "requests": requests, "max_model_len": MAX_MODEL_LEN}
+           "requests": requests, "max_model_len": MAX_MODEL_LEN, "transfer": transfer or {}}
     path = work / f"{name}.json"
     path.write_text(json.dumps(job))
     t0 = time.perf_counter()
@@ -50,13 +56,20 @@ def _engine(work: Path, name: str, model: Path, family: str, connector, requests
         return {"error": root_cause(proc.stderr)}
     out = json.loads(line.split(" ", 1)[1])
     out["wall_s"] = round(time.perf_counter() - t0, 1)
+    if connector is not None:      # the lookup times, in the order the requests were served
+        history = json.loads(Path(connector["stats_file"]).read_text())["requests"]
+        for req, seen in zip(out["requests"], history, strict=False):
+            req["match_ms"] = seen["match_ms"]
     return out
 
 
 def _medians(requests: list[dict], start: int, count: int) -> dict:
     chosen = requests[start:start + count]
-    return {"ttft_s": statistics.median(r["seconds"] for r in chosen),
-            "cached": statistics.median(r["cached"] for r in chosen)}
+    medians = {"ttft_s": statistics.median(r["seconds"] for r in chosen),
+               "cached": statistics.median(r["cached"] for r in chosen)}
+    if all("match_ms" in r for r in chosen):
+        medians["match_ms"] = statistics.median(r["match_ms"] for r in chosen)
+    return medians
 
 
 def bench_family(family: str, work: Path, reps: int) -> dict:
@@ -69,8 +82,11 @@ def bench_family(family: str, work: Path, reps: int) -> dict:
     # A: cold (hybridkv stores), then each repeat after emptying vLLM's cache: hybridkv RAM.
     a = _engine(work, f"{family}-A", model, family, connector,
                 [{"tokens": p, **one} for p in flat] + [{"tokens": p, "reset": True, **one} for p in flat])
-    # B: a new process on the same store: restore from disk.
+    # B: a new process on the same store: restore from disk, the reads inside the lookup;
+    # D: the same with the reads in the background.
     b = _engine(work, f"{family}-B", model, family, connector, [{"tokens": p, **one} for p in flat])
+    d = _engine(work, f"{family}-D", model, family, connector, [{"tokens": p, **one} for p in flat],
+                transfer={"kv_load_failure_policy": "recompute"})
     # C: stock vLLM: cold, then the repeat from its own prefix cache (the best case).
     c = _engine(work, f"{family}-C", model, family, None,
                 [{"tokens": p, **one} for p in flat] + [{"tokens": p, **one} for p in flat])
@@ -80,11 +96,11 @@ def bench_family(family: str, work: Path, reps: int) -> dict:
         row = {"tokens": n}
         for label, run, start in (("vllm_cold", c, k), ("vllm_local", c, total + k),
                                   ("hybridkv_cold", a, k), ("hybridkv_ram", a, total + k),
-                                  ("hybridkv_disk", b, k)):
+                                  ("hybridkv_disk", b, k), ("hybridkv_disk_async", d, k)):
             row[label] = _medians(run["requests"], start, reps) if "requests" in run else None
         rows.append(row)
     return {"family": family, "rows": rows,
-            "errors": {k: r["error"] for k, r in (("A", a), ("B", b), ("C", c)) if "error" in r}}
+            "errors": {k: r["error"] for k, r in (("A", a), ("B", b), ("C", c), ("D", d)) if "error" in r}}
 
 
 def offloading_probe(work: Path) -> str:
@@ -133,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         results = {"machine": {**machine(), "vllm": _vllm_version()}, "families": [], "reps": args.reps}
         for family in args.families.split(","):
-            print(f"bench_vllm: {family} (three engine processes)", file=sys.stderr, flush=True)
+            print(f"bench_vllm: {family} (four engine processes)", file=sys.stderr, flush=True)
             results["families"].append(bench_family(family, work, args.reps))
         print("bench_vllm: probing vLLM's OffloadingConnector", file=sys.stderr, flush=True)
         results["offloading"] = offloading_probe(work)

@@ -50,9 +50,10 @@ def to_prometheus(stats: dict, prefix: str = "hybridkv") -> str:
         for field, text in TIER_FIELDS:
             yield family(f"tier_{field}", "counter", text, ["tier"],
                          [((name,), t[field]) for name, t in tiers.items() if field in t])
-        if "pending_writes" in stats:
-            yield family("pending_writes", "gauge", "write-through jobs not finished", [],
-                         [((), stats["pending_writes"])])
+        for field, text in (("pending_writes", "write-through jobs not finished"),
+                            ("promotions_in_flight", "reads of pages into RAM not settled")):
+            if field in stats:
+                yield family(field, "gauge", text, [], [((), stats[field])])
         for field, value in stats.get("connector", {}).items():
             kind = "gauge" if field in CONNECTOR_GAUGES else "counter"
             text = CONNECTOR_GAUGES.get(field, f"connector {field.replace('_', ' ')}")

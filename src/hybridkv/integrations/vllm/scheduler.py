@@ -42,6 +42,7 @@ class _Request:
     local_tokens: int
     pinned: bool = False          # the hit's pages are pinned until the worker loaded them
     loaded_tokens: int = 0
+    match_ms: float = 0.0         # how long vLLM's scheduler waited for the lookup
 
 
 @dataclass
@@ -103,7 +104,10 @@ class SchedulerSide:
         into RAM, when > 0)."""
         t0 = time.perf_counter()
         tokens = self._match(request, num_computed_tokens)
-        self.stats.match_ms_max = max(self.stats.match_ms_max, (time.perf_counter() - t0) * 1e3)
+        ms = (time.perf_counter() - t0) * 1e3
+        self.stats.match_ms_max = max(self.stats.match_ms_max, ms)
+        if request.request_id in self._requests:
+            self._requests[request.request_id].match_ms = ms
         return tokens
 
     def _match(self, request, num_computed_tokens: int) -> int:
@@ -274,6 +278,7 @@ class SchedulerSide:
         if ctx is not None:
             self.history.append({"request": request_id, "prompt_tokens": ctx.state.n_tokens,
                                  "local_tokens": ctx.local_tokens, "loaded_tokens": ctx.loaded_tokens,
+                                 "match_ms": round(ctx.match_ms, 3),
                                  "sources": dict(ctx.state.sources) if ctx.loaded_tokens else {},
                                  "stored": dict(ctx.state.stored)})
             self.connector.finish(ctx.state)
