@@ -350,7 +350,7 @@ class FilesystemTier(SecondaryTier):
                     continue
         with self._lock:
             skip = set()       # page files whose page is packed too: the pack's copy serves
-            for group, positions in _by_group(_group_key(i)[0] for i in idents).items():
+            for group, positions in _by_group([_group_key(i)[0] for i in idents]).items():
                 locs = self._find_packed(group, [idents[n][2:] for n in positions])[1]
                 skip.update(positions[i] for i in np.flatnonzero(locs >= 0).tolist())
             dead = [page_file(self._namespace_str, *_group_key(idents[n])) for n in skip]
@@ -833,23 +833,23 @@ class FilesystemTier(SecondaryTier):
     def submit_reads(self, items: Sequence[ReadItem]) -> list[Future]:
         """Packed pages are read in runs of adjacent pages, one request per run; page files
         in one job per I/O thread, each reading an interleaved share, so every thread keeps
-        a read in flight without a queue round trip per page. Reads jump ahead of writes."""
+        a read in flight without a queue round trip per page. Reads jump ahead of writes.
+        The planning is numpy over the whole batch: the reads start only once it is done."""
         futures: list[Future] = [None] * len(items)  # type: ignore[list-item]
-        by_pack: dict[Pack, list[tuple[int, int]]] = {}
-        files = []
+        locs, positions, files = [np.empty(0, np.int64)], [np.empty(0, np.int64)], []
         with self._lock:
-            for group, positions in _by_group(group for group, _, _ in items).items():
-                wheres = self._locate(group, [items[n][1] for n in positions])
-                for n, where in zip(positions, wheres, strict=True):
-                    if isinstance(where, tuple):
-                        by_pack.setdefault(where[0], []).append((where[1], n))
-                    else:
-                        files.append(n)
-        for pack, located in by_pack.items():
-            for run in _runs(pack, sorted(located), items):
-                batch = self._io.submit(READ, self.read_run, pack, [(entry, items[n]) for entry, n in run])
-                for (_, n), future in zip(run, fan_out(batch, len(run)), strict=True):
-                    futures[n] = future
+            for group, at in _by_group([group for group, _, _ in items]).items():
+                keys = [items[n][1] for n in at]
+                found = self._find_packed(group, keys)[1]
+                packed = found >= 0
+                locs.append(found[packed])
+                positions.append(np.asarray(at)[packed])
+                files += [n for n, ok in zip(at, packed.tolist(), strict=True) if not ok]
+            runs = self._pack_runs(np.concatenate(locs), np.concatenate(positions), items)
+        for pack, entries, run in runs:
+            batch = self._io.submit(READ, self.read_run, pack, list(zip(entries, map(items.__getitem__, run), strict=True)))
+            for n, future in zip(run, fan_out(batch, len(run)), strict=True):
+                futures[n] = future
         shares = min(self._io.threads, len(files))
         for i in range(shares):
             share = files[i::shares]
@@ -857,6 +857,35 @@ class FilesystemTier(SecondaryTier):
             for n, future in zip(share, fan_out(batch, len(share)), strict=True):
                 futures[n] = future
         return futures
+
+    def _pack_runs(self, locs: np.ndarray, positions: np.ndarray, items: Sequence[ReadItem]
+                   ) -> list[tuple[Pack, list[int], list[int]]]:
+        """Packed pages (index locations, positions in ``items``) as runs of adjacent pages
+        of one pack in file order, of at most ``RUN_BYTES`` and ``RUN_PAGES`` each:
+        (pack, entries, positions) per run."""
+        if not len(locs):
+            return []
+        order = np.argsort(locs, kind="stable")
+        locs, positions = locs[order], positions[order]
+        numbers, entries = locs >> 32, locs & 0xFFFFFFFF
+        sizes = np.fromiter((items[n][2].nbytes for n in positions.tolist()), np.int64, len(positions))
+        spans = -(-sizes // ALIGN) * ALIGN
+        offsets = np.empty(len(locs), np.int64)
+        cuts = np.flatnonzero(np.diff(numbers)) + 1
+        for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), len(locs)], strict=True):
+            table = np.frombuffer(self._numbered[int(numbers[lo])].offsets, np.uint64)
+            offsets[lo:hi] = table[entries[lo:hi]]
+        breaks = np.flatnonzero((numbers[1:] != numbers[:-1]) | (offsets[1:] != offsets[:-1] + spans[:-1])) + 1
+        ends = np.cumsum(spans)
+        runs = []
+        for lo, hi in zip([0, *breaks.tolist()], [*breaks.tolist(), len(locs)], strict=True):
+            while lo < hi:        # greedy: as many pages as fit RUN_BYTES and RUN_PAGES, at least one
+                last = int(np.searchsorted(ends, ends[lo] - spans[lo] + RUN_BYTES, "right"))
+                stop = min(hi, lo + RUN_PAGES, max(last, lo + 1))
+                runs.append((self._numbered[int(numbers[lo])], entries[lo:stop].tolist(),
+                             positions[lo:stop].tolist()))
+                lo = stop
+        return runs
 
     # -- writes ---------------------------------------------------------------------------
     def write(self, group: int, key: bytes, payload) -> bool:
@@ -1080,23 +1109,10 @@ class FilesystemTier(SecondaryTier):
         self._io.close()
 
 
-def _runs(pack: Pack, located: list[tuple[int, int]], items: Sequence[ReadItem]) -> list[list[tuple[int, int]]]:
-    """Split (entry, item index) pairs of one pack, in file order, into runs of adjacent
-    pages of at most ``RUN_BYTES`` and ``RUN_PAGES`` each."""
-    runs: list[list[tuple[int, int]]] = []
-    end = size = -1
-    for entry, n in located:
-        offset, span = pack.offsets[entry], packfile.aligned(items[n][2].nbytes)
-        if offset != end or size + span > RUN_BYTES or len(runs[-1]) == RUN_PAGES:
-            runs.append([])
-            size = 0
-        runs[-1].append((entry, n))
-        end, size = offset + span, size + span
-    return runs
-
-
-def _by_group(groups) -> dict[int, list[int]]:
+def _by_group(groups: list[int]) -> dict[int, list[int]]:
     """Positions in ``groups`` by group: lookups go to one table per group."""
+    if groups and groups.count(groups[0]) == len(groups):     # the usual batch: one group
+        return {groups[0]: list(range(len(groups)))}
     positions: dict[int, list[int]] = {}
     for n, group in enumerate(groups):
         positions.setdefault(group, []).append(n)

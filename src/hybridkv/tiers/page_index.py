@@ -30,7 +30,7 @@ _MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)   # Fibonacci hashing: spreads seque
 
 def fingerprints(keys: list[bytes]) -> np.ndarray:
     """The (n, 2) uint64 fingerprints of ``keys``."""
-    if keys and all(len(k) == FINGERPRINT_BYTES for k in keys):
+    if keys and set(map(len, keys)) == {FINGERPRINT_BYTES}:
         return np.frombuffer(b"".join(keys), "<u8").reshape(len(keys), 2)
     return np.frombuffer(b"".join(_fingerprint(k) for k in keys), "<u8").reshape(len(keys), 2)
 
