@@ -230,3 +230,20 @@ def test_a_promotion_lands_for_nobody_when_its_request_is_gone(tmp_path):
         assert cache.pools.pool(0).refs_of(key(0)) == 0
         later = cache.start_acquire({0: [key(0)]}, "b")
         assert not later.waiting and later.ready()
+
+
+def test_a_read_that_raises_is_a_miss_not_an_exception(tmp_path, monkeypatch, caplog):
+    """What reaches vLLM's scheduler from a promotion is a failed load, never a traceback."""
+    config = CacheConfig(block_tokens=16, ram_bytes=1024**2, store=str(tmp_path))
+    _stored_on_disk(tmp_path, config, 2)
+
+    def broken(self, pack, pages):
+        raise RuntimeError("injected: the read thread broke")
+
+    monkeypatch.setattr(FilesystemTier, "read_run", broken)
+    with TieredCache(LAYOUT, config) as cache:
+        acquisition = cache.start_acquire({0: [key(0), key(1)]}, "a")
+        assert cache.finish_acquire(acquisition) is None
+        assert cache.pools.pool(0).lookup(key(0)).value == "miss"      # the slots are free again
+        assert cache.stats()["promotions_in_flight"] == 0
+    assert "2 reads into RAM raised" in caplog.text and "injected" in caplog.text

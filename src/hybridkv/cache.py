@@ -284,8 +284,13 @@ class TieredCache:
         promotion.settled = True
         outcome: dict[bool, dict[int, list[bytes]]] = {True: {}, False: {}}
         lost = set()
+        errors = []          # a read that raised is a failed read, never the engine's exception
         for gid, key, tier, future in promotion.jobs:
-            success = bool(future.result())
+            try:
+                success = bool(future.result())
+            except Exception as e:
+                success = False
+                errors.append(e)
             outcome[success].setdefault(gid, []).append(key)
             del self._promotions[(gid, key)]
             if success:
@@ -294,6 +299,8 @@ class TieredCache:
                 counters.bytes_out += self.layout.group(gid).page_bytes
             else:
                 lost.add((gid, key))
+        if errors:
+            log.warning("%d reads into RAM raised (first: %r); those pages are misses", len(errors), errors[0])
         for success, keys in outcome.items():
             self.pools.complete_store(keys, success)
         for acquisition in promotion.waiters:
@@ -435,3 +442,4 @@ class TieredCache:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
