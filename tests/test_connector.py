@@ -1,6 +1,7 @@
 """Durable page offers, driven directly through the engine-neutral connector."""
 
 import logging
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -21,6 +22,12 @@ def cache():
     with TieredCache(LAYOUT, CacheConfig(block_tokens=B, ram_bytes=budget, reference_tokens=8 * B)) as c:
         assert c.plan.slots_per_group() == {0: 8, 1: 2}
         yield c
+
+
+def disk_config(tmp_path, **settings) -> CacheConfig:
+    """1 MiB of RAM in ``tmp_path`` over a disk store in ``tmp_path/s``."""
+    return CacheConfig(block_tokens=B, ram_bytes=1024**2, ram_dir=str(tmp_path), store=str(tmp_path / "s"),
+                       **settings)
 
 
 def tokens(n, seed):
@@ -109,7 +116,7 @@ def test_misses_are_counted_per_tier(tmp_path):
     from hybridkv.tiers.filesystem import FilesystemTier
     from hybridkv.tools.metrics import to_prometheus
 
-    config = CacheConfig(block_tokens=B, ram_bytes=1024**2, ram_dir=str(tmp_path), store=str(tmp_path / "s"))
+    config = disk_config(tmp_path)
     on_disk = FilesystemTier(tmp_path / "s", LAYOUT)
     assert on_disk.write(0, b"d" * 16, page(0, 1))
     on_disk.close()
@@ -134,15 +141,21 @@ def _stored_on_disk(layout, config, ids, blocks, state_at):
         cache.drain()
 
 
+@contextmanager
+def restarted(tmp_path, ids, blocks, state_at, layout=LAYOUT):
+    """A new cache and connector over a store holding what ``_stored_on_disk`` stores."""
+    config = disk_config(tmp_path)
+    _stored_on_disk(layout, config, ids, blocks, state_at)
+    with TieredCache(layout, config) as cache:
+        yield cache, Connector(cache)
+
+
 @pytest.mark.parametrize("local_blocks", [0, 1])
 def test_loaded_tokens_count_for_the_slowest_tier_of_their_pages(tmp_path, local_blocks):
     """What vLLM's prompt_tokens_cached_by_source shows: blocks 0-1 in RAM, 2-3 and the
     state on disk; the engine's own blocks count for no tier."""
     ids = tokens(4 * B + 1, 11)
-    config = CacheConfig(block_tokens=B, ram_bytes=1024**2, ram_dir=str(tmp_path), store=str(tmp_path / "s"))
-    _stored_on_disk(LAYOUT, config, ids, 4, 4 * B)
-    with TieredCache(LAYOUT, config) as cache:
-        conn = Connector(cache)
+    with restarted(tmp_path, ids, 4, 4 * B) as (cache, conn):
         keys = conn.begin("keys", ids).keys
         assert cache.store({0: [(keys[b], page(0, b)) for b in (0, 1)]})
         req = conn.begin("r", ids, local_tokens=local_blocks * B)
@@ -156,10 +169,7 @@ def test_a_started_load_finished_before_its_reads_landed_pins_nothing(tmp_path):
     """An aborted vLLM request whose disk reads are in flight: finishing it detaches it from
     them; the pages still arrive and are served to the next request."""
     ids = tokens(4 * B + 1, 15)
-    config = CacheConfig(block_tokens=B, ram_bytes=1024**2, ram_dir=str(tmp_path), store=str(tmp_path / "s"))
-    _stored_on_disk(LAYOUT, config, ids, 4, 4 * B)
-    with TieredCache(LAYOUT, config) as cache:
-        conn = Connector(cache)
+    with restarted(tmp_path, ids, 4, 4 * B) as (cache, conn):
         req = conn.begin("aborted", ids)
         assert req.hit.tokens == 4 * B and conn.start_load(req).waiting
         conn.finish(req)
@@ -178,8 +188,7 @@ def test_a_load_whose_read_fails_looks_again_and_serves_the_shorter_hit(tmp_path
     from hybridkv.tiers.filesystem import FilesystemTier
 
     ids = tokens(4 * B + 1, 16)
-    config = CacheConfig(block_tokens=B, ram_bytes=1024**2, ram_dir=str(tmp_path), store=str(tmp_path / "s"),
-                         retention=2 * B, reference_tokens=8 * B)
+    config = disk_config(tmp_path, retention=2 * B, reference_tokens=8 * B)
     _stored_on_disk(LAYOUT, config, ids, 4, 4 * B)
     with TieredCache(LAYOUT, config) as cache:      # plus the state at 2B, in RAM
         conn = Connector(cache)
@@ -210,10 +219,7 @@ def test_a_state_only_model_s_tokens_come_with_its_state(tmp_path):
     layout = layout_from_dict({"model": "state-only", "block_tokens": B, "max_model_len": 4096,
                                "groups": [{"id": 1, "kind": "state", "page_bytes": 16384}]})
     ids = tokens(3 * B + 1, 12)
-    config = CacheConfig(block_tokens=B, ram_bytes=1024**2, ram_dir=str(tmp_path), store=str(tmp_path / "s"))
-    _stored_on_disk(layout, config, ids, 0, 3 * B)
-    with TieredCache(layout, config) as cache:
-        conn = Connector(cache)
+    with restarted(tmp_path, ids, 0, 3 * B, layout) as (cache, conn):
         req = conn.begin("r", ids)
         assert conn.load(req) is not None
         assert req.sources == {"ram": 0, "fs": 1} and req.token_sources == {"ram": 0, "fs": 3 * B}
@@ -224,7 +230,7 @@ def test_forget_all_serves_no_page_stored_before_and_frees_idle_ram(tmp_path):
     """After a weight update: neither RAM nor disk serves an older page, pages in use stay
     valid for their request, and what is stored from now on hits again."""
     ids, other = tokens(4 * B + 1, 13), tokens(4 * B + 1, 14)
-    config = CacheConfig(block_tokens=B, ram_bytes=1024**2, ram_dir=str(tmp_path), store=str(tmp_path / "s"))
+    config = disk_config(tmp_path)
     _stored_on_disk(LAYOUT, config, ids, 4, 4 * B)
     with TieredCache(LAYOUT, config) as cache:
         conn = Connector(cache)
