@@ -7,6 +7,9 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+
+import torch
 
 from hybridkv.core.keys import block_hashes
 from hybridkv.integrations.vllm.tiny_models import dtype_of
@@ -82,3 +85,27 @@ def stored_payload(store: Path, group: int, key: bytes) -> tuple[Path, int, int]
 
 def keys_of(prompt: list[int], block_tokens: int) -> list[bytes]:
     return block_hashes(prompt, block_tokens)
+
+
+def vllm_objects(block=128, tp=1, state_block=None, model="m", commit=None):
+    """vLLM's config (the fields hybridkv reads) and a real KVCacheConfig of a small hybrid
+    model: group 0 a Mamba-style state, group 1 attention."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+    )
+
+    attention = FullAttentionSpec(block_size=block, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    state = MambaSpec(block_size=state_block or block, shapes=((3, 128),), dtypes=(torch.float32,),
+                      page_size_padded=attention.page_size_bytes, mamba_cache_mode="align")
+    kv = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["l0", "l1"], state), KVCacheGroupSpec(["l2"], attention)])
+    config = SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=block),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1),
+        model_config=SimpleNamespace(model=str(model), max_model_len=4096, revision=None, dtype=torch.float32,
+                                     hf_config=SimpleNamespace(_commit_hash=commit)))
+    return config, kv
+

@@ -1,34 +1,19 @@
 """The layout hybridkv derives from vLLM's own objects, and what it refuses at start-up."""
 
 import dataclasses
-from types import SimpleNamespace
 
 import pytest
-import torch
 import vllm
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
 
 from hybridkv.core.errors import HybridKVError
 from hybridkv.core.layout import GroupKind
 from hybridkv.integrations.vllm.layout import cache_config_from_extra, layout_from_vllm
 
-
-def engine(block=128, tp=1, state_block=None, model="m", commit=None):
-    attention = FullAttentionSpec(block_size=block, num_kv_heads=2, head_size=32, dtype=torch.float32)
-    state = MambaSpec(block_size=state_block or block, shapes=((3, 128),), dtypes=(torch.float32,),
-                      page_size_padded=attention.page_size_bytes, mamba_cache_mode="align")
-    kv = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["l0", "l1"], state), KVCacheGroupSpec(["l2"], attention)])
-    config = SimpleNamespace(
-        cache_config=SimpleNamespace(block_size=block),
-        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1),
-        model_config=SimpleNamespace(model=str(model), max_model_len=4096, revision=None, dtype=torch.float32,
-                                     hf_config=SimpleNamespace(_commit_hash=commit)))
-    return config, kv
+from engines import vllm_objects
 
 
 def test_groups_keep_vllm_ids_and_real_unpadded_bytes():
-    layout = layout_from_vllm(*engine())
+    layout = layout_from_vllm(*vllm_objects())
     state, attention = layout.groups
     assert (state.id, state.kind, state.page_bytes) == (0, GroupKind.STATE, 2 * 3 * 128 * 4)
     assert (attention.id, attention.kind, attention.page_bytes) == (1, GroupKind.ATTENTION, 2 * 128 * 2 * 32 * 4)
@@ -36,17 +21,17 @@ def test_groups_keep_vllm_ids_and_real_unpadded_bytes():
 
 
 def test_fingerprint_follows_model_block_size_and_vllm_version():
-    base = layout_from_vllm(*engine())
-    assert layout_from_vllm(*engine(model="other")).fingerprint() != base.fingerprint()
-    assert layout_from_vllm(*engine(block=256)).fingerprint() != base.fingerprint()
+    base = layout_from_vllm(*vllm_objects())
+    assert layout_from_vllm(*vllm_objects(model="other")).fingerprint() != base.fingerprint()
+    assert layout_from_vllm(*vllm_objects(block=256)).fingerprint() != base.fingerprint()
     assert dataclasses.replace(base, engine="vllm 0.0.1").fingerprint() != base.fingerprint()
 
 
 def test_refuses_tensor_parallel_and_misaligned_state_blocks():
     with pytest.raises(HybridKVError, match="tensor_parallel_size=1"):
-        layout_from_vllm(*engine(tp=2))
+        layout_from_vllm(*vllm_objects(tp=2))
     with pytest.raises(HybridKVError, match="block_size 256 but the scheduler's is 128"):
-        layout_from_vllm(*engine(state_block=256))
+        layout_from_vllm(*vllm_objects(state_block=256))
 
 
 def test_extra_config_follows_vllm_block_size_and_refuses_another():
@@ -64,8 +49,8 @@ def test_revision_is_the_weights_identity_not_the_path(tmp_path, monkeypatch):
         (tmp_path / name / "ckpt").mkdir(parents=True)
         (tmp_path / name / "ckpt" / "config.json").write_text("{}")
         (tmp_path / name / "ckpt" / "model.safetensors").write_bytes(weights)
-    a = layout_from_vllm(*engine(model=tmp_path / "a" / "ckpt"))
-    b = layout_from_vllm(*engine(model=tmp_path / "b" / "ckpt"))
+    a = layout_from_vllm(*vllm_objects(model=tmp_path / "a" / "ckpt"))
+    b = layout_from_vllm(*vllm_objects(model=tmp_path / "b" / "ckpt"))
     assert a.revision.startswith("sha256:") and a.revision != b.revision
-    hub = layout_from_vllm(*engine(model="org/model", commit="c" * 40))
+    hub = layout_from_vllm(*vllm_objects(model="org/model", commit="c" * 40))
     assert hub.revision == "c" * 40          # the commit "main" resolved to, not "main"

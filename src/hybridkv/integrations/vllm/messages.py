@@ -31,13 +31,16 @@ class Copy:
 @dataclass
 class StepPlan(KVConnectorMetadata):
     """Scheduler -> worker: the regions, this step's loads (per request, before the forward)
-    and stores (per reservation, after it), and the loads that failed before reaching the
-    worker (a disk or Redis read), which only the worker can report to vLLM."""
+    and stores (per reservation, after it). Also loads that ended before reaching the worker,
+    which only the worker can report to vLLM: failed (a disk or Redis read did not read back)
+    and abandoned (the request finished while its reads were in flight; vLLM holds its blocks
+    until the load is reported)."""
 
     regions: dict[int, RegionInfo]
     loads: dict[str, list[Copy]]
     stores: dict[int, list[Copy]]
     failed_loads: set[str] = field(default_factory=set)
+    abandoned_loads: set[str] = field(default_factory=set)
 
 
 @dataclass

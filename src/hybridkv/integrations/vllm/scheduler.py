@@ -70,6 +70,7 @@ class SchedulerSide:
         self.layout = layout_from_vllm(vllm_config, kv_cache_config)
         self.B = self.layout.block_tokens
         config = cache_config_from_extra(extra, self.B)
+        self.async_promotion = async_promotion(extra, vllm_config)     # refused before any region exists
         self.cache = TieredCache(self.layout, config)
         self.connector = Connector(self.cache)
         self.stats = SchedulerStats()
@@ -83,7 +84,7 @@ class SchedulerSide:
         self._failed_loads: set[str] = set()   # their load failed: no hit again
         self._promoting: dict[str, list[Copy]] = {}   # allocated loads whose reads are in flight
         self._promotion_failed: set[str] = set()      # for the worker to report as failed loads
-        self.async_promotion = async_promotion(extra, vllm_config)
+        self._abandoned: set[str] = set()             # finished while promoting: reported done
         self._closed = False
         self.history: deque[dict] = deque(maxlen=256)     # the last finished requests, for operators
         self._reported = {"loaded_tokens": 0, "stored_pages": 0}   # at the last stats call
@@ -191,8 +192,8 @@ class SchedulerSide:
     def plan_step(self, scheduled: dict[str, tuple[int, int]], block_ids_of) -> StepPlan:
         """The step's loads and stores; ``scheduled`` maps request -> (start, end) tokens."""
         self._collect_promotions()
-        plan = StepPlan(self.regions, self._loads, {}, self._promotion_failed)
-        self._loads, self._promotion_failed = {}, set()
+        plan = StepPlan(self.regions, self._loads, {}, self._promotion_failed, self._abandoned)
+        self._loads, self._promotion_failed, self._abandoned = {}, set(), set()
         for rid, (start, end) in scheduled.items():
             ctx = self._requests.get(rid)
             if ctx is not None and end > start:
@@ -274,7 +275,8 @@ class SchedulerSide:
             self._failed_loads.discard(request_id)
         ctx = self._requests.pop(request_id, None)
         self._loads.pop(request_id, None)
-        self._promoting.pop(request_id, None)
+        if self._promoting.pop(request_id, None) is not None:
+            self._abandoned.add(request_id)   # aborted while its reads were in flight
         if ctx is not None:
             self.history.append({"request": request_id, "prompt_tokens": ctx.state.n_tokens,
                                  "local_tokens": ctx.local_tokens, "loaded_tokens": ctx.loaded_tokens,

@@ -54,6 +54,7 @@ class WorkerSide:
 
     def load(self, plan: StepPlan) -> None:
         self.report.load_failures |= plan.failed_loads
+        self.report.loaded |= plan.abandoned_loads      # nothing to copy: vLLM frees the blocks
         if not plan.loads:
             return
         requests = set(plan.loads)

@@ -1,0 +1,124 @@
+"""The scheduler half with the reads in the background, step by step, as vLLM drives it: lookup,
+allocation, the step plans, the worker's report. vLLM's own config and KV-cache objects, a real
+disk store; one request at a time, so that every path (landed, failed, aborted) is certain."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from hybridkv.core.errors import HybridKVError
+from hybridkv.integrations.vllm.scheduler import SchedulerSide
+from hybridkv.integrations.vllm.worker import WorkerSide
+
+from engines import stored_payload, tokens, vllm_objects
+
+B = 128
+PROMPT = tokens(51, 3 * B + 1)          # three blocks and the replay boundary's state at 3B
+BLOCK_IDS = ([7, 8, 9], [4, 5, 6])      # vLLM's blocks for the request: state group, attention
+
+
+def scheduler(tmp_path, policy="recompute", **extra) -> SchedulerSide:
+    config, kv = vllm_objects(block=B)
+    config.kv_transfer_config = SimpleNamespace(kv_load_failure_policy=policy)
+    config.shutdown_timeout = 10
+    return SchedulerSide(config, kv, {"store": str(tmp_path / "store"), "ram_dir": str(tmp_path),
+                                      "ram_bytes": "8MiB", **extra})
+
+
+def request(rid="r"):
+    return SimpleNamespace(request_id=rid, prompt_token_ids=PROMPT, cache_salt=None, lora_request=None,
+                           mm_features=None, shared_prefix_boundary=3 * B)
+
+
+def page(side, gid, seed):
+    size = side.layout.group(gid).page_bytes
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+
+
+@pytest.fixture
+def stored(tmp_path):
+    """PROMPT's three attention blocks and its state at 3B on disk, written by a first server."""
+    side = scheduler(tmp_path)
+    conn = side.connector
+    state = conn.begin("writer", PROMPT)
+    for b in range(3):
+        conn.offer_block(state, b, {1: page(side, 1, b)})
+    conn.offer_state(state, 3 * B, {0: page(side, 0, 99)})
+    conn.finish(state)
+    keys = state.keys
+    side.close()
+    return tmp_path, keys
+
+
+def lookup_and_allocate(side) -> int:
+    tokens = side.match(request(), 0)
+    side.allocated(request(), BLOCK_IDS, tokens)
+    return tokens
+
+
+def test_a_load_goes_to_the_worker_once_its_reads_landed(stored):
+    tmp_path, _ = stored
+    side = scheduler(tmp_path)
+    assert side.async_promotion and lookup_and_allocate(side) == 3 * B
+    side.cache.drain()                       # the reads have landed (a later step)
+    plan = side.plan_step({}, None)
+    (attention,) = [c for c in plan.loads["r"] if c.group == 1]
+    assert attention.blocks == BLOCK_IDS[1]
+    region = side.cache.regions[1]
+    assert all(np.array_equal(region.page(slot), page(side, 1, b)) for b, slot in enumerate(attention.slots))
+    assert not plan.failed_loads and not plan.abandoned_loads
+    side.close()
+
+
+def test_a_read_that_fails_fails_the_load_and_the_request_gets_no_hit_again(stored):
+    tmp_path, keys = stored
+    bad, at, length = stored_payload(tmp_path / "store", 1, keys[1])
+    raw = bytearray(bad.read_bytes())
+    raw[at + length // 2] ^= 0xFF
+    bad.write_bytes(bytes(raw))
+    side = scheduler(tmp_path)
+    assert lookup_and_allocate(side) == 3 * B      # the damage shows only when the page is read
+    side.cache.drain()
+    plan = side.plan_step({}, None)
+    assert plan.failed_loads == {"r"} and not plan.loads
+    assert side.stats.promotion_failures == 1
+    worker = WorkerSide(*vllm_objects(block=B))
+    worker.load(plan)
+    assert worker.finished_loads() == (set(), {"r"})     # vLLM recomputes the request
+    assert side.match(request(), 0) == 0
+    side.finish("r")
+    assert all(g["evictable"] == g["used"] for g in side.cache.stats()["groups"].values())
+    side.close()
+
+
+def test_a_request_aborted_while_its_reads_are_in_flight_is_reported_so_vllm_frees_its_blocks(stored):
+    """vLLM holds the blocks of a request aborted in WAITING_FOR_REMOTE_KVS until the connector
+    reports its load finished; a load never reported would keep them for good."""
+    tmp_path, _ = stored
+    side = scheduler(tmp_path)
+    lookup_and_allocate(side)
+    side.finish("r")                           # the abort, before any step planned the load
+    plan = side.plan_step({}, None)
+    assert plan.abandoned_loads == {"r"} and not plan.loads and not plan.failed_loads
+    worker = WorkerSide(*vllm_objects(block=B))
+    worker.load(plan)
+    assert worker.finished_loads() == ({"r"}, set())
+    side.cache.drain()
+    assert all(g["evictable"] == g["used"] for g in side.cache.stats()["groups"].values())
+    side.close()
+
+
+def test_under_vllms_default_policy_the_reads_finish_inside_the_lookup(stored):
+    tmp_path, _ = stored
+    side = scheduler(tmp_path, policy="fail")
+    assert not side.async_promotion
+    lookup_and_allocate(side)
+    assert side.cache.stats()["promotions_in_flight"] == 0
+    assert set(side.plan_step({}, None).loads) == {"r"}
+    side.close()
+    forced = scheduler(tmp_path, policy="fail", async_promotion=True)
+    assert forced.async_promotion
+    forced.close()
+    with pytest.raises(HybridKVError, match='async_promotion=.yes. is not valid; use true, false or "auto"'):
+        scheduler(tmp_path, async_promotion="yes")
