@@ -57,9 +57,11 @@ class Promotion:
         self.jobs = jobs
         self.waiters: list[Acquisition] = []
         self.settled = False
+        # a page's future is often an item of one batch read: ask each batch once
+        self._batches = {getattr(future, "batch", future) for *_, future in jobs}
 
     def done(self) -> bool:
-        return self.settled or all(future.done() for *_, future in self.jobs)
+        return self.settled or all(batch.done() for batch in self._batches)
 
 
 @dataclass(eq=False)
@@ -377,8 +379,9 @@ class TieredCache:
     def poll(self) -> int:
         """End-of-step: publish promotions whose reads finished (their pages are pinned for
         whoever waits), unpin pages whose write-through finished; returns how many of those."""
-        for promotion in {p for p in self._promotions.values() if p.done()}:
-            self._settle(promotion)
+        for promotion in set(self._promotions.values()):    # one entry per page: ask each once
+            if promotion.done():
+                self._settle(promotion)
         done, waiting = [], []
         for w in self._writes:
             (done if all(f.done() for f in w.futures) else waiting).append(w)
