@@ -247,3 +247,18 @@ def test_a_read_that_raises_is_a_miss_not_an_exception(tmp_path, monkeypatch, ca
         assert cache.pools.pool(0).lookup(key(0)).value == "miss"      # the slots are free again
         assert cache.stats()["promotions_in_flight"] == 0
     assert "2 reads into RAM raised" in caplog.text and "injected" in caplog.text
+
+
+def test_pages_located_by_the_caller_are_read_from_there_and_a_stale_answer_costs_nothing(tmp_path):
+    config = CacheConfig(block_tokens=16, ram_bytes=1024**2, store=str(tmp_path))
+    _stored_on_disk(tmp_path, config, 2)
+    with TieredCache(LAYOUT, config) as cache:
+        where = cache.locate(0, [key(0), key(1), key(7)])
+        assert where == ["fs", "fs", None]
+        stale = {0: ["ram", "fs"]}                  # key 0 left RAM since: looked up again
+        views = cache.finish_acquire(cache.start_acquire({0: [key(0), key(1)]}, "a", stale))
+        assert np.array_equal(views[0][0], page(0, 0)) and np.array_equal(views[0][1], page(0, 1))
+        wrong = cache.start_acquire({0: [key(7)]}, "b", {0: ["fs"]})      # not there after all
+        assert cache.finish_acquire(wrong) is None
+        assert cache.pools.pool(0).lookup(key(7)).value == "miss"
+        assert cache.request_finished("b") == 0

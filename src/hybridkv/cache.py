@@ -184,24 +184,29 @@ class TieredCache:
         acquisition = self.start_acquire(wanted, request)
         return None if acquisition is None else self.finish_acquire(acquisition)
 
-    def start_acquire(self, wanted: Mapping[int, Sequence[bytes]], request: str | None = None
-                      ) -> Acquisition | None:
+    def start_acquire(self, wanted: Mapping[int, Sequence[bytes]], request: str | None = None,
+                      where: Mapping[int, Sequence[str | None]] | None = None) -> Acquisition | None:
         """Pin the wanted pages RAM holds and start reading the others into RAM; returns at
         once. None (nothing pinned) when a page is gone, half-written, or RAM refused.
+        ``where`` is the tier of each wanted page as the caller just located it (``locate``):
+        pages it puts in a secondary tier are read from there without a second lookup.
 
         Pages already in RAM are pinned first, so promoting the rest cannot evict them; a
         page another request is promoting is waited for, not read twice."""
         resident: dict[int, list[bytes]] = {}
         missing: dict[int, list[bytes]] = {}
+        sources: dict[tuple[int, bytes], str | None] = {}
         joined: dict[Promotion, dict[int, list[bytes]]] = {}
         for gid, keys in wanted.items():
             pool = self.pools.pool(gid)
-            for key in keys:
+            tiers = where[gid] if where is not None else [None] * len(keys)
+            for key, tier in zip(keys, tiers, strict=True):
                 state = pool.lookup(key)
                 if state is Lookup.HIT:
                     resident.setdefault(gid, []).append(key)
                 elif state is Lookup.MISS:
                     missing.setdefault(gid, []).append(key)
+                    sources[(gid, key)] = tier if tier != RAM else None
                 elif (gid, key) in self._promotions:
                     joined.setdefault(self._promotions[(gid, key)], {}).setdefault(gid, []).append(key)
                 else:                     # the engine is still writing it
@@ -210,7 +215,7 @@ class TieredCache:
         acquisition = Acquisition({gid: list(keys) for gid, keys in wanted.items()}, request,
                                   resident, joined)
         if missing:
-            promotion = self._start_promotion(missing)
+            promotion = self._start_promotion(missing, sources)
             if promotion is None:
                 self.pools.complete_load(resident, request)
                 return None
@@ -247,15 +252,16 @@ class TieredCache:
     def release(self, wanted: Mapping[int, Sequence[bytes]], request: str | None = None) -> None:
         self.pools.complete_load(wanted, request)
 
-    def _start_promotion(self, missing: Mapping[int, Sequence[bytes]]) -> Promotion | None:
+    def _start_promotion(self, missing: Mapping[int, Sequence[bytes]],
+                         sources: dict[tuple[int, bytes], str | None]) -> Promotion | None:
         """Reserve RAM slots for pages only secondary tiers hold and start reading each from
-        the first tier holding it."""
-        sources: dict[tuple[int, bytes], str] = {}
+        the tier ``sources`` names, or else the first tier holding it."""
         for gid, keys in missing.items():
-            for key, where in zip(keys, self.locate(gid, keys), strict=True):
-                if where is None:
+            unknown = [key for key in keys if sources[(gid, key)] is None]
+            for key, tier in zip(unknown, self.locate_below_ram(gid, unknown), strict=True):
+                if tier is None:
                     return None
-                sources[(gid, key)] = where
+                sources[(gid, key)] = tier
         plans = self.pools.prepare_store(missing)
         if plans is None and self._writes:
             # Slots pinned only by write-through free up once those writes land: waiting for

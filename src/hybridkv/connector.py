@@ -181,7 +181,8 @@ class Connector:
                 return None
             blocks = self.hit_blocks(req)
             wanted = {gid: [req.keys[b] for b in bs] for gid, bs in blocks.items()}
-            req.loaded = self.cache.start_acquire(wanted, req.request_id)
+            where = {gid: [req.where[gid][b] for b in bs] for gid, bs in blocks.items()}
+            req.loaded = self.cache.start_acquire(wanted, req.request_id, where)
             if req.loaded is not None:
                 req.sources, req.token_sources = self._sources(req, blocks)
                 return req.loaded
