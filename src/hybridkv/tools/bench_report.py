@@ -168,6 +168,18 @@ def tables(res: dict) -> str:
                 f"{row['ram_ttft_s'] / row['ram_ttft_bound_s']:.2f}x | {row['fs_ttft_s'] / row['fs_ttft_bound_s']:.2f}x |")
     add("\nThe restore path includes the hit lookup, pinning, the copy into torch tensors and "
         "rebuilding the model's cache object; disk restores also verify every page.\n")
+    if all("lookup_wait_inside_ms" in row for row in res["restore"]):
+        add("What a disk restore costs the thread that looks the prompt up (in vLLM: the scheduler, "
+            "and every running request's next token), in a fresh cache over the store: the lookup "
+            "with the reads inside it, as under vLLM's default failure policy, vs the lookup that "
+            "only starts the reads (`kv_load_failure_policy: recompute`):\n")
+        add("| prompt tokens | pages | reads inside the lookup ms | reads in the background ms | ratio |")
+        add("|---:|---:|---:|---:|---:|")
+        for row in res["restore"]:
+            add(f"| {row['prompt_tokens']} | {row['pages_on_disk']} | {row['lookup_wait_inside_ms']:.1f} | "
+                f"{row['lookup_wait_background_ms']:.1f} | "
+                f"{row['lookup_wait_background_ms'] / row['lookup_wait_inside_ms']:.2f}x |")
+        add("")
     add("### Workload simulator (Qwen3-Next-80B-A3B layout, B = 256, reference 8,192 tokens)\n")
     add("Token hit rate by RAM budget per worker:\n")
     sims = res["simulator"]
