@@ -1,6 +1,5 @@
 """TieredCache: write-through, reservations by another process, promotion from secondary tiers."""
 
-import os
 import threading
 
 import numpy as np
@@ -11,7 +10,7 @@ from hybridkv.ram.regions import SharedRegion
 from hybridkv.tiers import filesystem
 from hybridkv.tiers.filesystem import FilesystemTier
 
-from helpers.tier_worker import LAYOUT, key, page
+from helpers.tier_worker import LAYOUT, flip_payload_byte, key, page
 
 
 def test_write_through_pins_until_written_then_promotes_after_restart(tmp_path):
@@ -86,14 +85,7 @@ def test_corrupt_secondary_page_fails_acquire_and_is_not_served(tmp_path):
     config = CacheConfig(block_tokens=16, ram_bytes=1024**2, store=str(tmp_path))
     with TieredCache(LAYOUT, config) as cache:
         cache.store({1: [(key(4), page(1, 4))]})
-    tier = FilesystemTier(tmp_path, LAYOUT)
-    path, offset = tier.locate(1, key(4))
-    tier.close()
-    with open(path, "r+b") as f:                 # one flipped payload byte
-        f.seek(offset + 100)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 1]))
+    flip_payload_byte(tmp_path, 1, key(4))
     with TieredCache(LAYOUT, config) as cache:
         assert cache.acquire({1: [key(4)]}) is None
         assert cache.locate(1, [key(4)]) == [None]
@@ -160,17 +152,6 @@ def _stored_on_disk(tmp_path, config, n):
             cache.drain()
 
 
-def _flip_a_payload_byte(store, group, k):
-    tier = FilesystemTier(store, LAYOUT)
-    path, offset = tier.locate(group, k)
-    tier.close()
-    with open(path, "r+b") as f:
-        f.seek(offset + 100)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 1]))
-
-
 def test_a_started_promotion_is_shared_by_every_request_wanting_its_pages(tmp_path):
     """vLLM's path: start the reads, answer at once, collect them a step later. A second
     request wanting the same pages meanwhile waits on the same reads instead of missing."""
@@ -201,7 +182,7 @@ def test_a_started_promotion_is_shared_by_every_request_wanting_its_pages(tmp_pa
 def test_a_promotion_that_fails_fails_every_waiting_request_and_pins_nothing(tmp_path):
     config = CacheConfig(block_tokens=16, ram_bytes=1024**2, store=str(tmp_path))
     _stored_on_disk(tmp_path, config, 3)
-    _flip_a_payload_byte(tmp_path, 0, key(1))
+    flip_payload_byte(tmp_path, 0, key(1))
     with TieredCache(LAYOUT, config) as cache:
         cache.store({0: [(key(9), page(0, 9))]})
         cache.drain()

@@ -10,7 +10,7 @@ from hybridkv.cache import TieredCache
 from hybridkv.config import CacheConfig
 from hybridkv.connector import Connector, _StateLookup
 
-from helpers.tier_worker import LAYOUT, page
+from helpers.tier_worker import LAYOUT, flip_payload_byte, page
 
 B = LAYOUT.block_tokens
 
@@ -185,8 +185,6 @@ def test_a_started_load_finished_before_its_reads_landed_pins_nothing(tmp_path):
 
 def test_a_load_whose_read_fails_looks_again_and_serves_the_shorter_hit(tmp_path):
     """Inside the lookup (no engine step to wait for) a failed read only shortens the hit."""
-    from hybridkv.tiers.filesystem import FilesystemTier
-
     ids = tokens(4 * B + 1, 16)
     config = disk_config(tmp_path, retention=2 * B, reference_tokens=8 * B)
     _stored_on_disk(LAYOUT, config, ids, 4, 4 * B)
@@ -194,14 +192,7 @@ def test_a_load_whose_read_fails_looks_again_and_serves_the_shorter_hit(tmp_path
         conn = Connector(cache)
         keys = conn.begin("keys", ids).keys
         assert cache.store({1: [(keys[1], page(1, 2))]})
-    tier = FilesystemTier(tmp_path / "s", LAYOUT)
-    path, offset = tier.locate(0, keys[3])
-    tier.close()
-    with open(path, "r+b") as f:                    # block 3's attention page is corrupt
-        f.seek(offset + 7)
-        byte = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([byte[0] ^ 1]))
+    flip_payload_byte(tmp_path / "s", 0, keys[3])     # block 3's attention page is corrupt
     with TieredCache(LAYOUT, config) as cache:
         conn = Connector(cache)
         req = conn.begin("r", ids)

@@ -27,6 +27,7 @@ from hybridkv.ram.grouped_pools import GroupedPools
 from hybridkv.ram.pool import Lookup, StorePlan
 from hybridkv.ram.regions import PagelessRegion, PinHook, SharedRegion, remove_stale_regions
 from hybridkv.tiers.base import SecondaryTier, open_tiers
+from hybridkv.tiers.io_queue import batches_of
 
 log = logging.getLogger(__name__)
 RAM = "ram"
@@ -57,8 +58,7 @@ class Promotion:
         self.jobs = jobs
         self.waiters: list[Acquisition] = []
         self.settled = False
-        # a page's future is often an item of one batch read: ask each batch once
-        self._batches = {getattr(future, "batch", future) for *_, future in jobs}
+        self._batches = batches_of(future for *_, future in jobs)
 
     def done(self) -> bool:
         return self.settled or all(batch.done() for batch in self._batches)
@@ -420,8 +420,7 @@ class TieredCache:
         while the engine thread goes on (a stop signal's drain)."""
         for tier in self.secondaries:
             tier.flush()
-        futures = {getattr(f, "batch", f) for w in list(self._writes) for f in w.futures}  # items of a batch: its future
-        return not wait(futures, timeout).not_done
+        return not wait(batches_of(f for w in list(self._writes) for f in w.futures), timeout).not_done
 
     # -- lifecycle --------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -451,4 +450,3 @@ class TieredCache:
 
     def __exit__(self, *exc) -> None:
         self.close()
-

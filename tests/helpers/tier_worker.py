@@ -31,6 +31,18 @@ def key(i: int) -> bytes:
     return i.to_bytes(16, "big")
 
 
+def flip_payload_byte(store, group: int, key: bytes, layout=LAYOUT) -> None:
+    """One flipped byte in a stored page's payload, wherever the store keeps it."""
+    tier = FilesystemTier(store, layout)
+    path, offset = tier.locate(group, key)
+    tier.close()
+    with open(path, "r+b") as f:
+        f.seek(offset + 100)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 1]))
+
+
 def written_tier(store, n=3, **kw) -> FilesystemTier:
     """A filesystem tier holding pages 0..n-1 of both groups."""
     tier = FilesystemTier(store, LAYOUT, **kw)

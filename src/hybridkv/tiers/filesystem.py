@@ -868,14 +868,15 @@ class FilesystemTier(SecondaryTier):
         order = np.argsort(locs, kind="stable")
         locs, positions = locs[order], positions[order]
         numbers, entries = locs >> 32, locs & 0xFFFFFFFF
-        sizes = np.fromiter((items[n][2].nbytes for n in positions.tolist()), np.int64, len(positions))
-        spans = -(-sizes // ALIGN) * ALIGN
+        spans = packfile.aligned(np.fromiter((items[n][2].nbytes for n in positions.tolist()), np.int64,
+                                             len(positions)))
+        new_pack = numbers[1:] != numbers[:-1]
+        cuts = (np.flatnonzero(new_pack) + 1).tolist()
         offsets = np.empty(len(locs), np.int64)
-        cuts = np.flatnonzero(np.diff(numbers)) + 1
-        for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), len(locs)], strict=True):
+        for lo, hi in zip([0, *cuts], [*cuts, len(locs)], strict=True):
             table = np.frombuffer(self._numbered[int(numbers[lo])].offsets, np.uint64)
             offsets[lo:hi] = table[entries[lo:hi]]
-        breaks = np.flatnonzero((numbers[1:] != numbers[:-1]) | (offsets[1:] != offsets[:-1] + spans[:-1])) + 1
+        breaks = np.flatnonzero(new_pack | (offsets[1:] != offsets[:-1] + spans[:-1])) + 1
         ends = np.cumsum(spans)
         runs = []
         for lo, hi in zip([0, *breaks.tolist()], [*breaks.tolist(), len(locs)], strict=True):

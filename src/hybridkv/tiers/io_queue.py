@@ -80,3 +80,10 @@ class BatchItem:
 def fan_out(batch: Future, n: int) -> list[BatchItem]:
     """Per-item futures for a batch future whose result is a list of n results."""
     return [BatchItem(batch, i) for i in range(n)]
+
+
+def batches_of(futures) -> set[Future]:
+    """The distinct futures behind ``futures``: a ``BatchItem``'s batch, else the future itself.
+    Waiting on or polling these asks each batch once, not once per item."""
+    return {getattr(f, "batch", f) for f in futures}
+

@@ -35,7 +35,8 @@ MAGIC = b"HKVT"
 VERSION = 2
 
 
-def aligned(nbytes: int) -> int:
+def aligned(nbytes):
+    """``nbytes`` rounded up to whole ALIGN blocks: an int, or a numpy array of them."""
     return -(-nbytes // ALIGN) * ALIGN
 
 

@@ -64,6 +64,14 @@ def run_engine(model_dir: Path, family: str, connector: dict | None, requests: l
     return result
 
 
+def corrupt_stored_page(store: Path, group: int, key: bytes) -> None:
+    """A foreign byte in the middle of a stored page's payload."""
+    bad, at, length = stored_payload(store, group, key)
+    raw = bytearray(bad.read_bytes())
+    raw[at + length // 2] ^= 0xFF
+    bad.write_bytes(bytes(raw))
+
+
 def stored_payload(store: Path, group: int, key: bytes) -> tuple[Path, int, int]:
     """The file holding a stored page (its own file or a pack), and where its payload lies
     in it: (path, offset, length)."""

@@ -14,7 +14,7 @@ Every restore is compared with a cold run of the same tokens.
 
 import pytest
 
-from engines import keys_of, run_engine, stored_payload, tokens
+from engines import corrupt_stored_page, keys_of, run_engine, tokens
 
 HYBRID = ["lfm2", "qwen3_next", "granite_h"]
 FAMILIES = ["llama", *HYBRID]
@@ -51,10 +51,7 @@ def runs(checkpoints, tmp_path_factory, redis_server):
             # A foreign byte in R's stored state at its replay boundary: B must miss it.
             if family in HYBRID:
                 state_group = 0
-                bad, at, length = stored_payload(store, state_group, keys_of(R, B)[replay(len(R), B) // B - 1])
-                raw = bytearray(bad.read_bytes())
-                raw[at + length // 2] ^= 0xFF
-                bad.write_bytes(bytes(raw))
+                corrupt_stored_page(store, state_group, keys_of(R, B)[replay(len(R), B) // B - 1])
             b_store = work / "store-b" if family == "llama" else store
             b_store.mkdir(exist_ok=True)
             b = run_engine(model, family, {"store": str(b_store), "ram_bytes": "4MiB", **remote}, [

@@ -11,7 +11,7 @@ from hybridkv.core.errors import HybridKVError
 from hybridkv.integrations.vllm.scheduler import SchedulerSide
 from hybridkv.integrations.vllm.worker import WorkerSide
 
-from engines import stored_payload, tokens, vllm_objects
+from engines import corrupt_stored_page, tokens, vllm_objects
 
 B = 128
 PROMPT = tokens(51, 3 * B + 1)          # three blocks and the replay boundary's state at 3B
@@ -73,10 +73,7 @@ def test_a_load_goes_to_the_worker_once_its_reads_landed(stored):
 
 def test_a_read_that_fails_fails_the_load_and_the_request_gets_no_hit_again(stored):
     tmp_path, keys = stored
-    bad, at, length = stored_payload(tmp_path / "store", 1, keys[1])
-    raw = bytearray(bad.read_bytes())
-    raw[at + length // 2] ^= 0xFF
-    bad.write_bytes(bytes(raw))
+    corrupt_stored_page(tmp_path / "store", 1, keys[1])
     side = scheduler(tmp_path)
     assert lookup_and_allocate(side) == 3 * B      # the damage shows only when the page is read
     side.cache.drain()
