@@ -243,3 +243,39 @@ def test_pages_located_by_the_caller_are_read_from_there_and_a_stale_answer_cost
         assert cache.finish_acquire(wrong) is None
         assert cache.pools.pool(0).lookup(key(7)).value == "miss"
         assert cache.request_finished("b") == 0
+
+
+def test_arrivals_give_pinned_pages_at_once_then_each_read_as_it_lands_never_a_failed_one(tmp_path, monkeypatch):
+    """What lets an engine copy pages while later ones are still being read: a page is
+    yielded while another page's read is held back, with the bytes stored; a page that
+    does not read back is never yielded, and the load then fails."""
+    config = CacheConfig(block_tokens=16, ram_bytes=1024**2, store=str(tmp_path))
+    _stored_on_disk(tmp_path, config, 4)               # a pack per page: a read per page
+    flip_payload_byte(tmp_path, 0, key(3))
+    gate = threading.Event()
+    read_run = FilesystemTier.read_run
+
+    def held_back(self, pack, pages):
+        if any(item[1] == key(2) for _, item in pages):
+            assert gate.wait(30)
+        return read_run(self, pack, pages)
+
+    monkeypatch.setattr(FilesystemTier, "read_run", held_back)
+    with TieredCache(LAYOUT, config) as cache:
+        cache.store({0: [(key(9), page(0, 9))]})
+        acquisition = cache.start_acquire({0: [key(9), key(0), key(1), key(2), key(3)], 1: [key(1)]}, "a")
+        arrivals = cache.arrivals(acquisition)
+        assert next(arrivals)[:2] == (0, [0])            # resident: at once
+        seen = {}
+        while len(seen) < 3:                             # keys 0 and 1, state 1: key 2 is held back
+            group, positions, views = next(arrivals)
+            seen.update({(group, p): v.copy() for p, v in zip(positions, views, strict=True)})
+        assert sorted(seen) == [(0, 1), (0, 2), (1, 0)] and not acquisition.ready()
+        gate.set()
+        for group, positions, views in arrivals:
+            seen.update({(group, p): v.copy() for p, v in zip(positions, views, strict=True)})
+        assert (0, 4) not in seen                        # key 3 is corrupt
+        assert np.array_equal(seen[(0, 3)], page(0, 2)) and np.array_equal(seen[(1, 0)], page(1, 1))
+        assert all(np.array_equal(seen[(0, i + 1)], page(0, i)) for i in range(3))
+        assert cache.finish_acquire(acquisition) is None
+        assert cache.request_finished("a") == 0

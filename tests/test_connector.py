@@ -204,6 +204,32 @@ def test_a_load_whose_read_fails_looks_again_and_serves_the_shorter_hit(tmp_path
         assert cache.pools.pool(1).refs_of(keys[1]) == 0      # nothing left pinned
 
 
+def test_on_pages_sees_every_page_of_the_hit_load_serves_even_after_a_failed_read(tmp_path):
+    """The engine copies what ``on_pages`` hands it as the reads land; after a failed read
+    the hit shrinks, and its last attempt hands over every page of the shorter hit again."""
+    ids = tokens(4 * B + 1, 17)
+    config = disk_config(tmp_path, retention=2 * B, reference_tokens=8 * B)
+    _stored_on_disk(LAYOUT, config, ids, 4, 4 * B)
+    with TieredCache(LAYOUT, config) as cache:
+        conn = Connector(cache)
+        keys = conn.begin("keys", ids).keys
+        assert cache.store({1: [(keys[1], page(1, 2))]})
+    flip_payload_byte(tmp_path / "s", 0, keys[3])
+    with TieredCache(LAYOUT, config) as cache:
+        conn = Connector(cache)
+        req = conn.begin("r", ids)
+        calls = []
+        views = conn.load(req, on_pages=lambda g, blocks, pages: calls.append((g, blocks, [p.copy() for p in pages])))
+        assert req.hit.tokens == 2 * B
+        last = {}                  # the last attempt's pages come last
+        for group, blocks, pages in calls:
+            last.update({(group, b): p for b, p in zip(blocks, pages, strict=True)})
+        assert (1, 3) in last and (0, 3) not in last     # the first try's state came, block 3 never
+        assert np.array_equal(last[(1, 1)], views[1][0]) and np.array_equal(last[(1, 1)], page(1, 2))
+        assert all(np.array_equal(last[(0, b)], views[0][b]) for b in (0, 1))
+        conn.finish(req)
+
+
 def test_a_state_only_model_s_tokens_come_with_its_state(tmp_path):
     from hybridkv.core.layout import layout_from_dict
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 import os
 import uuid
-from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, wait
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,7 +27,7 @@ from hybridkv.ram.grouped_pools import GroupedPools
 from hybridkv.ram.pool import Lookup, StorePlan
 from hybridkv.ram.regions import PagelessRegion, PinHook, SharedRegion, remove_stale_regions
 from hybridkv.tiers.base import SecondaryTier, open_tiers
-from hybridkv.tiers.io_queue import batches_of
+from hybridkv.tiers.io_queue import batches_of, outcomes
 
 log = logging.getLogger(__name__)
 RAM = "ram"
@@ -62,6 +62,16 @@ class Promotion:
 
     def done(self) -> bool:
         return self.settled or all(batch.done() for batch in self._batches)
+
+    def futures(self) -> dict[tuple[int, bytes], Future]:
+        """The read of each (group, key)."""
+        return {(gid, key): future for gid, key, _, future in self.jobs}
+
+
+def read_outcomes(futures: Sequence[Future]) -> list[tuple[bool, BaseException | None]]:
+    """Did each finished read land? A read that raised did not: its error, never the
+    engine's exception, is returned for the caller to log."""
+    return [(error is None and bool(value), error) for value, error in outcomes(futures)]
 
 
 @dataclass(eq=False)
@@ -101,12 +111,14 @@ class TieredCache:
         self._writes: list[_WriteThrough] = []
         self._promotions: dict[tuple[int, bytes], Promotion] = {}    # pages in flight into RAM
         try:
+            # the tiers first: a store's start-up scan then runs while RAM is allocated
+            # (20 ms for 64 MiB), not while the first request waits for it
+            self.secondaries = list(secondaries) if secondaries is not None else open_tiers(layout, config)
             if pageless:
                 self.regions = {gid: PagelessRegion(slots, layout.group(gid).page_bytes)
                                 for gid, slots in self.plan.slots_per_group().items()}
             else:
                 self._open_regions(pin_hook)
-            self.secondaries = list(secondaries) if secondaries is not None else open_tiers(layout, config)
         except BaseException:
             self.close()
             raise
@@ -240,6 +252,36 @@ class TieredCache:
             self.counters[RAM].bytes_out += len(keys) * region.page_bytes
         return views
 
+    def arrivals(self, acquisition: Acquisition) -> Iterator[tuple[int, list[int], list[np.ndarray]]]:
+        """The acquisition's pages as they reach RAM: (group, positions in ``wanted[group]``,
+        views), the pinned pages at once, then each batch of promoted pages as its read
+        lands, so an engine copies pages while later ones are still being read. A page whose
+        read failed is not yielded; ``finish_acquire`` then fails the load. The views stay
+        valid until the acquisition is released."""
+        position = {gid: {key: i for i, key in enumerate(keys)} for gid, keys in acquisition.wanted.items()}
+
+        def views(pages: Mapping[int, Sequence[bytes]]):
+            for gid, keys in pages.items():
+                region, pool = self.regions[gid], self.pools.pool(gid)
+                yield gid, [position[gid][k] for k in keys], [region.page(pool.slot_of(k)) for k in keys]
+
+        pending: dict[Future, list[tuple[int, bytes, Future]]] = {}   # batch read -> its pages
+        for promotion, pages in list(acquisition.waiting.items()):
+            future_of = promotion.futures()
+            for gid, keys in pages.items():
+                for key in keys:
+                    future = future_of[(gid, key)]
+                    pending.setdefault(getattr(future, "batch", future), []).append((gid, key, future))
+        yield from views({gid: list(keys) for gid, keys in acquisition.pinned.items()})
+        while pending:
+            for batch in wait(pending, return_when=FIRST_COMPLETED).done:
+                landed: dict[int, list[bytes]] = {}
+                pages = pending.pop(batch)
+                for (gid, key, _), (success, _) in zip(pages, read_outcomes([f for *_, f in pages]), strict=True):
+                    if success:
+                        landed.setdefault(gid, []).append(key)
+                yield from views(landed)
+
     def release_acquisition(self, acquisition: Acquisition) -> None:
         """Unpin what the acquisition holds and stop waiting for the rest (finished,
         aborted or failed, in any state)."""
@@ -292,13 +334,11 @@ class TieredCache:
         promotion.settled = True
         outcome: dict[bool, dict[int, list[bytes]]] = {True: {}, False: {}}
         lost = set()
-        errors = []          # a read that raised is a failed read, never the engine's exception
-        for gid, key, tier, future in promotion.jobs:
-            try:
-                success = bool(future.result())
-            except Exception as e:
-                success = False
-                errors.append(e)
+        errors = []
+        for (gid, key, tier, _), (success, error) in zip(
+                promotion.jobs, read_outcomes([future for *_, future in promotion.jobs]), strict=True):
+            if error is not None:
+                errors.append(error)
             outcome[success].setdefault(gid, []).append(key)
             del self._promotions[(gid, key)]
             if success:

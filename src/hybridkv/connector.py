@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
@@ -24,6 +24,7 @@ from hybridkv.core.retention import Hit, Retention, compute_hit
 
 log = logging.getLogger(__name__)
 Pages = Mapping[int, np.ndarray]      # group id -> one page (uint8)
+PageSink = Callable[[int, list[int], list[np.ndarray]], None]    # group, blocks, their pages
 
 
 class PageKind(str, Enum):
@@ -157,14 +158,23 @@ class Connector:
         blocks.update({gid: range(n - 1, n) for gid in self.state_groups})
         return blocks
 
-    def load(self, req: RequestState) -> dict[int, list[np.ndarray]] | None:
+    def load(self, req: RequestState, on_pages: PageSink | None = None) -> dict[int, list[np.ndarray]] | None:
         """Pin the hit's pages in RAM and return views: token groups get every block up to
         the hit, state groups the one state at the hit. Waits for pages promoted from slower
-        tiers; shrinks the hit if a page vanished or did not read back."""
+        tiers; shrinks the hit if a page vanished or did not read back.
+
+        ``on_pages(group, blocks, pages)`` sees the pages as they reach RAM, so an engine
+        copies them while later ones are still being read. Pages of a failed attempt may
+        have been seen; every page of the hit that ``load`` returns is seen (again) in its
+        last attempt, and a shorter hit is the same keys, hence the same bytes."""
         for _ in range(self.MAX_LOAD_ATTEMPTS):
             acquisition = self.start_load(req)
             if acquisition is None:
                 return None
+            if on_pages is not None:
+                blocks = self.hit_blocks(req)
+                for gid, positions, pages in self.cache.arrivals(acquisition):
+                    on_pages(gid, [blocks[gid][p] for p in positions], pages)
             views = self.finish_load(req)
             if views is not None:
                 return views

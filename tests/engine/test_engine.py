@@ -16,6 +16,7 @@ from hybridkv.tiers import filesystem
 from hybridkv.tiers.filesystem import page_path
 
 from helpers.cli import assert_one_line_error, cli, run_cli
+from helpers.tier_worker import flip_payload_byte
 
 B = 64
 
@@ -101,6 +102,25 @@ def test_missing_state_at_deepest_boundary_drops_to_previous_state(tmp_path, mon
     with Engine("tiny-hybrid", cfg) as engine:
         warm = engine.generate(ids, 4)
     assert warm.hit_tokens == 4 * B and warm.output_token_ids == cold.output_token_ids
+    assert same_logits(cold, warm)
+
+
+def test_a_corrupt_page_read_while_restoring_shortens_the_hit_and_the_output_stays_exact(tmp_path, monkeypatch):
+    """The restore copies pages into the model's cache as their reads land; a page that does
+    not read back makes the load look again and serve a shorter hit, and what was copied for
+    the longer one must not leak into it."""
+    monkeypatch.setattr(filesystem, "PACK_MAX_PAGE", 0)    # a file per page: one goes bad alone
+    ids = prompt(5 * B + 3, seed=5)
+    cfg = CacheConfig(block_tokens=B, store=str(tmp_path), retention=2 * B)
+    with Engine("tiny-hybrid", cfg) as engine:
+        cold = engine.generate(ids, 4)
+        layout = engine.layout
+    flip_payload_byte(tmp_path, 0, block_hashes(ids, B)[3], layout)   # block 3's K/V
+    with Engine("tiny-hybrid", cfg) as engine:
+        warm = engine.generate(ids, 4)
+        assert engine.cache.secondaries[0].stats["corrupt"] == 1
+    assert warm.hit_tokens == 2 * B             # the state at 128 is the deepest below block 3
+    assert warm.loaded_pages == {"ram": 2, "fs": 1}     # blocks 0-1 arrived in the first try
     assert same_logits(cold, warm)
 
 

@@ -21,7 +21,7 @@ from hybridkv.connector import Connector
 from hybridkv.core.errors import HybridKVError
 from hybridkv.core.identity import checkpoint_revision, software_versions
 from hybridkv.core.requests import all_token_ids, check_max_new_tokens, check_salt
-from hybridkv.engine.hf_cache import ATTENTION_GROUP, STATE_GROUP, HFCacheAdapter
+from hybridkv.engine.hf_cache import ATTENTION_GROUP, STATE_GROUP, HFCacheAdapter, RestoredCache
 from hybridkv.engine.models import BUILTINS, ByteTokenizer, load_model, weights_digest
 from hybridkv.engine.pinning import default_pin_hook
 
@@ -137,10 +137,11 @@ class Engine:
         conn = self.connector
         start, cache, restored_bytes = 0, None, 0
         if req is not None and req.hit_tokens:
-            views = conn.load(req)
+            restored = RestoredCache(self.adapter, req.hit_tokens // self.adapter.B)
+            views = conn.load(req, on_pages=restored.add)   # copied as the reads land
             if views is not None:
                 state = views[STATE_GROUP][0] if STATE_GROUP in views else None
-                cache = self.adapter.restore(views[ATTENTION_GROUP], state)
+                cache = restored.build(len(views[ATTENTION_GROUP]), state)
                 restored_bytes = sum(page.nbytes for pages in views.values() for page in pages)
                 conn.release(req)
                 start = req.hit_tokens

@@ -120,31 +120,56 @@ class HFCacheAdapter:
             page[p.offset:p.offset + p.nbytes].view(p.dtype).view(p.shape).copy_(src)
         return page.numpy()
 
-    # -- rebuilding a cache from pages ----------------------------------------------------
-    def restore(self, attention_pages: list[np.ndarray], state_page: np.ndarray | None):
-        """A fresh cache holding ``len(attention_pages)`` blocks and the state at their end."""
-        cache = self.new_cache()
-        if attention_pages:
-            n = len(attention_pages)
-            rows = [np.asarray(page) for page in attention_pages]
+
+class RestoredCache:
+    """A restore's K/V, filled as pages reach RAM (``Connector.load``'s ``on_pages``): each
+    page is copied once, from its slot straight into the final [1, heads, blocks*B, dim]
+    tensor of every attention part, while later pages are still being read."""
+
+    def __init__(self, adapter: HFCacheAdapter, blocks: int):
+        self.adapter, self.blocks = adapter, blocks
+        self.tensors: list[torch.Tensor] = []
+        self._dests: list[tuple[Part, np.ndarray]] = []
+        for p in adapter.attention_parts:
+            _, heads, block, dim = p.shape
+            tensor = torch.empty((1, heads, blocks * block, dim), dtype=p.dtype)
+            # seen as bytes [heads, blocks, B*dim*size]: pages hold [heads, B, dim]
+            self._dests.append((p, tensor.view(torch.uint8).numpy().reshape(heads, blocks, p.nbytes // heads)))
+            self.tensors.append(tensor)
+
+    def add(self, group: int, blocks: list[int], pages: list[np.ndarray]) -> None:
+        """Copy in the attention pages of ``blocks``; other groups' pages are not kept (the
+        state comes from the load's final views: only the last attempt's state counts)."""
+        if group != ATTENTION_GROUP:
+            return
+        lo = 0
+        for hi in range(1, len(blocks) + 1):      # one copy per part per run of adjacent blocks
+            if hi == len(blocks) or blocks[hi] != blocks[hi - 1] + 1:
+                first, run = blocks[lo], [np.asarray(page) for page in pages[lo:hi]]
+                for p, dest in self._dests:
+                    np.stack([row[p.offset:p.offset + p.nbytes].reshape(dest.shape[0], -1) for row in run],
+                             axis=1, out=dest[:, first:first + len(run)])
+                lo = hi
+
+    def build(self, blocks: int, state_page: np.ndarray | None):
+        """The model's cache object holding the first ``blocks`` blocks (a load that shrank
+        its hit returns fewer than were allocated) and the state at their end."""
+        adapter = self.adapter
+        cache = adapter.new_cache()
+        if blocks:
             by_layer: dict[int, dict[str, torch.Tensor]] = {}
-            for p in self.attention_parts:
-                # one copy, from every page's slot straight into the final [1, heads, n*B, dim]
-                # tensor, seen as bytes [heads, n, B*dim*size] (pages hold [heads, B, dim])
-                _, heads, block, dim = p.shape
-                tensor = torch.empty((1, heads, n * block, dim), dtype=p.dtype)
-                dest = tensor.view(torch.uint8).numpy().reshape(heads, n, p.nbytes // heads)
-                np.stack([row[p.offset:p.offset + p.nbytes].reshape(heads, -1) for row in rows],
-                         axis=1, out=dest)
+            for (p, _), tensor in zip(self._dests, self.tensors, strict=True):
+                if blocks < self.blocks:
+                    tensor = tensor[:, :, :blocks * adapter.B].clone()
                 by_layer.setdefault(p.layer, {})[p.name] = tensor
             for layer, kv in by_layer.items():
                 # transformers concatenates onto what a layer holds (a second copy): initialize
                 # the layer through its own update with no tokens, then hand it our tensors
                 cache.update(kv["k"][:, :, :0], kv["v"][:, :, :0], layer)
                 cache.layers[layer].keys, cache.layers[layer].values = kv["k"], kv["v"]
-        if state_page is not None and self.state_parts:
+        if state_page is not None and adapter.state_parts:
             page = torch.from_numpy(np.asarray(state_page))
-            for p in self.state_parts:     # conv first: it marks the layer as having state
+            for p in adapter.state_parts:     # conv first: it marks the layer as having state
                 tensor = page[p.offset:p.offset + p.nbytes].view(p.dtype).view(p.shape).clone()
                 if p.name == "conv":
                     cache.update_conv_state(tensor, p.layer, conv_kernel_size=p.shape[-1])

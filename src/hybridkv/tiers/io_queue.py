@@ -11,6 +11,7 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import Any
 
 READ, WRITE = 0, 1
 
@@ -87,3 +88,21 @@ def batches_of(futures) -> set[Future]:
     Waiting on or polling these asks each batch once, not once per item."""
     return {getattr(f, "batch", f) for f in futures}
 
+
+def outcomes(futures) -> list[tuple[Any, BaseException | None]]:
+    """(result, None) or (None, exception) of each finished future; a ``BatchItem``'s batch
+    is asked once for all its items (a finished Future still takes a lock per question)."""
+    answers: dict[int, tuple[Any, BaseException | None]] = {}
+    out = []
+    for future in futures:
+        batch = getattr(future, "batch", None)
+        source = future if batch is None else batch
+        answer = answers.get(id(source))
+        if answer is None:
+            try:
+                answer = answers[id(source)] = (source.result(), None)
+            except Exception as e:
+                answer = answers[id(source)] = (None, e)
+        value, error = answer
+        out.append((value[future.index] if batch is not None and error is None else value, error))
+    return out
