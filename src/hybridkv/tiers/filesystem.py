@@ -846,15 +846,14 @@ class FilesystemTier(SecondaryTier):
                 positions.append(np.asarray(at)[packed])
                 files += [n for n, ok in zip(at, packed.tolist(), strict=True) if not ok]
             runs = self._pack_runs(np.concatenate(locs), np.concatenate(positions), items)
-        for pack, entries, run in runs:
-            batch = self._io.submit(READ, self.read_run, pack, list(zip(entries, map(items.__getitem__, run), strict=True)))
-            for n, future in zip(run, fan_out(batch, len(run)), strict=True):
-                futures[n] = future
+        batches = [(self._io.submit(READ, self.read_run, pack, list(zip(entries, map(items.__getitem__, run),
+                                                                            strict=True))), run)
+                   for pack, entries, run in runs]
         shares = min(self._io.threads, len(files))
-        for i in range(shares):
-            share = files[i::shares]
-            batch = self._io.submit(READ, self.read_many, [items[n] for n in share])
-            for n, future in zip(share, fan_out(batch, len(share)), strict=True):
+        batches += [(self._io.submit(READ, self.read_many, [items[n] for n in files[i::shares]]), files[i::shares])
+                    for i in range(shares)]
+        for batch, positions in batches:     # the reads are under way meanwhile
+            for n, future in zip(positions, fan_out(batch, len(positions)), strict=True):
                 futures[n] = future
         return futures
 
