@@ -167,7 +167,8 @@ def tables(res: dict) -> str:
                 f"{row['fs_prefill_after_restore_s'] * 1e3:.1f} | "
                 f"{row['ram_ttft_s'] / row['ram_ttft_bound_s']:.2f}x | {row['fs_ttft_s'] / row['fs_ttft_bound_s']:.2f}x |")
     add("\nThe restore path includes the hit lookup, pinning, the copy into torch tensors and "
-        "rebuilding the model's cache object; disk restores also verify every page.\n")
+        "rebuilding the model's cache object; disk restores also verify every page, and copy "
+        "each batch of pages into the tensors as its read lands.\n")
     if all("lookup_wait_inside_ms" in row for row in res["restore"]):
         add("What a disk restore costs the thread that looks the prompt up (in vLLM: the scheduler, "
             "and every running request's next token), in a fresh cache over the store: the lookup "
