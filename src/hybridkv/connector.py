@@ -24,7 +24,7 @@ from hybridkv.core.retention import Hit, Retention, compute_hit
 
 log = logging.getLogger(__name__)
 Pages = Mapping[int, np.ndarray]      # group id -> one page (uint8)
-PageSink = Callable[[int, list[int], list[np.ndarray]], None]    # group, blocks, their pages
+PageSink = Callable[[int, list[int], np.ndarray], None]    # group, blocks, their pages (a row each)
 
 
 class PageKind(str, Enum):

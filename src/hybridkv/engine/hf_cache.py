@@ -137,18 +137,20 @@ class RestoredCache:
             self._dests.append((p, tensor.view(torch.uint8).numpy().reshape(heads, blocks, p.nbytes // heads)))
             self.tensors.append(tensor)
 
-    def add(self, group: int, blocks: list[int], pages: list[np.ndarray]) -> None:
-        """Copy in the attention pages of ``blocks``; other groups' pages are not kept (the
-        state comes from the load's final views: only the last attempt's state counts)."""
+    def add(self, group: int, blocks: list[int], pages: np.ndarray) -> None:
+        """Copy in the attention pages (``pages``' rows) of ``blocks``; other groups' pages
+        are not kept (the state comes from the load's final views: only the last attempt's
+        state counts)."""
         if group != ATTENTION_GROUP:
             return
         lo = 0
         for hi in range(1, len(blocks) + 1):      # one copy per part per run of adjacent blocks
             if hi == len(blocks) or blocks[hi] != blocks[hi - 1] + 1:
-                first, run = blocks[lo], [np.asarray(page) for page in pages[lo:hi]]
+                first, run = blocks[lo], pages[lo:hi]
                 for p, dest in self._dests:
-                    np.stack([row[p.offset:p.offset + p.nbytes].reshape(dest.shape[0], -1) for row in run],
-                             axis=1, out=dest[:, first:first + len(run)])
+                    heads = dest.shape[0]
+                    rows = run[:, p.offset:p.offset + p.nbytes].reshape(len(run), heads, -1)
+                    np.copyto(dest[:, first:first + len(run)], rows.transpose(1, 0, 2))
                 lo = hi
 
     def build(self, blocks: int, state_page: np.ndarray | None):

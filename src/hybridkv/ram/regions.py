@@ -155,6 +155,10 @@ class SharedRegion:
         """Zero-copy view of one slot."""
         return self.array[slot]
 
+    def pages(self, first: int, count: int) -> np.ndarray:
+        """Zero-copy view of ``count`` adjacent slots, one page a row."""
+        return self.array[first:first + count]
+
     def write(self, slot: int, data) -> None:
         """Copy one page in (any C-contiguous buffer or array of at most ``page_bytes``)."""
         src = data.reshape(-1).view(np.uint8) if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
@@ -183,6 +187,9 @@ class PagelessRegion:
 
     def page(self, slot: int) -> np.ndarray:
         return self.EMPTY
+
+    def pages(self, first: int, count: int) -> np.ndarray:
+        return np.empty((count, 0), np.uint8)
 
     def write(self, slot: int, data) -> None:
         """Nothing to copy into."""
