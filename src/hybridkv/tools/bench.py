@@ -161,7 +161,9 @@ def bench_fs_batch(page_sizes: tuple[int, ...] = (32 * 1024, 256 * 1024, 2 * MiB
     destination pages) vs raw reads of the very same files the way the tier reads them, and
     vs raw reads of the same pages stored one file each (the layout small pages had before
     packs). The three alternate, repeat by repeat, so a disk whose speed drifts (a shared VM)
-    moves all of them alike; the medians are reported."""
+    moves all of them alike, and each repeat starts with the next of them: this VM's disk reads
+    bytes it read a moment ago up to 2x faster, so a fixed order favours the second. The
+    medians are reported."""
     from hybridkv.tiers.filesystem import FilesystemTier
 
     rows = []
@@ -183,10 +185,12 @@ def bench_fs_batch(page_sizes: tuple[int, ...] = (32 * 1024, 256 * 1024, 2 * MiB
             items = [(0, k, slots[i]) for i, k in enumerate(keys)]
             same, per_file = _SamePages(root), _SamePages(one_each)
             runs: dict[str, list[float]] = {"tier": [], "raw": [], "per_file": []}
-            for _ in range(repeats):
-                runs["tier"].append(_gbps(pages * page_bytes, _timed_reads(tier, items)))
-                runs["raw"].append(same.raw_read_gbps())
-                runs["per_file"].append(per_file.raw_read_gbps())
+            for r in range(repeats):
+                for name in _rotated(list(runs), r):
+                    if name == "tier":
+                        runs[name].append(_gbps(pages * page_bytes, _timed_reads(tier, items)))
+                    else:
+                        runs[name].append((same if name == "raw" else per_file).raw_read_gbps())
             tier.close()
         finally:
             shutil.rmtree(root, ignore_errors=True)
@@ -197,6 +201,11 @@ def bench_fs_batch(page_sizes: tuple[int, ...] = (32 * 1024, 256 * 1024, 2 * MiB
                      "ratio": med["tier"] / med["raw"], "raw_read_file_per_page_gbps": med["per_file"],
                      "spread_gbps": [min(runs["tier"]), max(runs["tier"])]})
     return rows
+
+
+def _rotated(names: list[str], r: int) -> list[str]:
+    """The order of repeat ``r``: each name goes first in turn."""
+    return names[r % len(names):] + names[:r % len(names)]
 
 
 def _timed_reads(tier, items) -> float:
@@ -458,9 +467,10 @@ def bench_restore(lengths: list[int], model: str = "tiny-hybrid", repeats: int =
                   ram_dir: str | None = None) -> list[dict]:
     """Cold TTFT vs restore from RAM (same process) and from disk (fresh engine, empty RAM),
     with the RAM regions in ``ram_dir`` (default: the config's, /dev/shm).
-    Each disk restore follows a raw read of the same files, so the ceiling is sampled as
-    often as the restore and a disk whose speed drifts moves both alike; the disk, the
-    noisiest, gets two more samples."""
+    Disk restores alternate with raw reads of the same files, so the ceiling is sampled as
+    often as the restore and a disk whose speed drifts moves both alike; which of the two
+    goes first alternates too (this VM's disk reads bytes it read a moment ago faster). The
+    disk, the noisiest, gets two more samples."""
     from hybridkv.engine.engine import Engine
 
     rows = []
@@ -477,10 +487,13 @@ def bench_restore(lengths: list[int], model: str = "tiny-hybrid", repeats: int =
                 engine.generate(ids, 4)
                 rams = [engine.generate(ids, 4) for _ in range(repeats)]
             same, disks, raw_reads = _SamePages(Path(store)), [], []
-            for _ in range(repeats + 2):
-                raw_reads.append(same.raw_read_gbps())
-                with Engine(model, config) as engine:
-                    disks.append(engine.generate(ids, 4))
+            for r in range(repeats + 2):
+                for name in _rotated(["raw", "disk"], r):
+                    if name == "raw":
+                        raw_reads.append(same.raw_read_gbps())
+                        continue
+                    with Engine(model, config) as engine:
+                        disks.append(engine.generate(ids, 4))
             waits = _lookup_waits(cold_engine.layout, config, ids, repeats + 2)
             ceilings = {**same.facts(), "raw_read_same_pages_gbps": statistics.median(raw_reads),
                         "memcpy_same_pages_gbps": same.memcpy_gbps(5)}
