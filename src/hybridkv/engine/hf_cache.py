@@ -128,14 +128,12 @@ class RestoredCache:
 
     def __init__(self, adapter: HFCacheAdapter, blocks: int):
         self.adapter, self.blocks = adapter, blocks
-        self.tensors: list[torch.Tensor] = []
-        self._dests: list[tuple[Part, np.ndarray]] = []
+        self._parts: list[tuple[Part, torch.Tensor, np.ndarray]] = []
         for p in adapter.attention_parts:
             _, heads, block, dim = p.shape
             tensor = torch.empty((1, heads, blocks * block, dim), dtype=p.dtype)
             # seen as bytes [heads, blocks, B*dim*size]: pages hold [heads, B, dim]
-            self._dests.append((p, tensor.view(torch.uint8).numpy().reshape(heads, blocks, p.nbytes // heads)))
-            self.tensors.append(tensor)
+            self._parts.append((p, tensor, tensor.view(torch.uint8).numpy().reshape(heads, blocks, p.nbytes // heads)))
 
     def add(self, group: int, blocks: list[int], pages: np.ndarray) -> None:
         """Copy in the attention pages (``pages``' rows) of ``blocks``; other groups' pages
@@ -147,7 +145,7 @@ class RestoredCache:
         for hi in range(1, len(blocks) + 1):      # one copy per part per run of adjacent blocks
             if hi == len(blocks) or blocks[hi] != blocks[hi - 1] + 1:
                 first, run = blocks[lo], pages[lo:hi]
-                for p, dest in self._dests:
+                for p, _, dest in self._parts:
                     heads = dest.shape[0]
                     rows = run[:, p.offset:p.offset + p.nbytes].reshape(len(run), heads, -1)
                     np.copyto(dest[:, first:first + len(run)], rows.transpose(1, 0, 2))
@@ -160,7 +158,7 @@ class RestoredCache:
         cache = adapter.new_cache()
         if blocks:
             by_layer: dict[int, dict[str, torch.Tensor]] = {}
-            for (p, _), tensor in zip(self._dests, self.tensors, strict=True):
+            for p, tensor, _ in self._parts:
                 if blocks < self.blocks:
                     tensor = tensor[:, :, :blocks * adapter.B].clone()
                 by_layer.setdefault(p.layer, {})[p.name] = tensor
