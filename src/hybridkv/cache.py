@@ -63,15 +63,6 @@ class Promotion:
     def done(self) -> bool:
         return self.settled or all(batch.done() for batch in self._batches)
 
-    def futures(self) -> dict[tuple[int, bytes], Future]:
-        """The read of each (group, key)."""
-        return {(gid, key): future for gid, key, _, future in self.jobs}
-
-
-def read_outcomes(futures: Sequence[Future]) -> list[tuple[bool, BaseException | None]]:
-    """Did each finished read land? A read that raised did not: its error, never the
-    engine's exception, is returned for the caller to log."""
-    return [(error is None and bool(value), error) for value, error in outcomes(futures)]
 
 
 @dataclass(eq=False)
@@ -276,17 +267,16 @@ class TieredCache:
 
         pending: dict[Future, list[tuple[int, bytes, Future]]] = {}   # batch read -> its pages
         for promotion, pages in list(acquisition.waiting.items()):
-            future_of = promotion.futures()
-            for gid, keys in pages.items():
-                for key in keys:
-                    future = future_of[(gid, key)]
+            waited = {(gid, key) for gid, keys in pages.items() for key in keys}
+            for gid, key, _, future in promotion.jobs:
+                if (gid, key) in waited:
                     pending.setdefault(getattr(future, "batch", future), []).append((gid, key, future))
         yield from views({gid: list(keys) for gid, keys in acquisition.pinned.items()})
         while pending:
             for batch in wait(pending, return_when=FIRST_COMPLETED).done:
                 landed: dict[int, list[bytes]] = {}
                 pages = pending.pop(batch)
-                for (gid, key, _), (success, _) in zip(pages, read_outcomes([f for *_, f in pages]), strict=True):
+                for (gid, key, _), (success, _) in zip(pages, outcomes([f for *_, f in pages]), strict=True):
                     if success:
                         landed.setdefault(gid, []).append(key)
                 yield from views(landed)
@@ -345,7 +335,7 @@ class TieredCache:
         lost = set()
         errors = []
         for (gid, key, tier, _), (success, error) in zip(
-                promotion.jobs, read_outcomes([future for *_, future in promotion.jobs]), strict=True):
+                promotion.jobs, outcomes([future for *_, future in promotion.jobs]), strict=True):
             if error is not None:
                 errors.append(error)
             outcome[success].setdefault(gid, []).append(key)

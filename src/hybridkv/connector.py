@@ -24,7 +24,7 @@ from hybridkv.core.retention import Hit, Retention, compute_hit
 
 log = logging.getLogger(__name__)
 Pages = Mapping[int, np.ndarray]      # group id -> one page (uint8)
-PageSink = Callable[[int, list[int], np.ndarray], None]    # group, blocks, their pages (a row each)
+PageSink = Callable[[int, list[int], np.ndarray], None]    # group, adjacent blocks, their pages (a row each)
 
 
 class PageKind(str, Enum):
@@ -163,8 +163,9 @@ class Connector:
         the hit, state groups the one state at the hit. Waits for pages promoted from slower
         tiers; shrinks the hit if a page vanished or did not read back.
 
-        ``on_pages(group, blocks, pages)`` sees the pages as they reach RAM, so an engine
-        copies them while later ones are still being read. Pages of a failed attempt may
+        ``on_pages(group, blocks, pages)`` sees the pages as they reach RAM, a run of
+        adjacent blocks at a time (ascending; ``pages`` has a row each), so an engine copies
+        them while later ones are still being read. Pages of a failed attempt may
         have been seen; every page of the hit that ``load`` returns is seen (again) in its
         last attempt, and a shorter hit is the same keys, hence the same bytes."""
         for _ in range(self.MAX_LOAD_ATTEMPTS):

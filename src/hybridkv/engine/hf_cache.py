@@ -136,20 +136,16 @@ class RestoredCache:
             self._parts.append((p, tensor, tensor.view(torch.uint8).numpy().reshape(heads, blocks, p.nbytes // heads)))
 
     def add(self, group: int, blocks: list[int], pages: np.ndarray) -> None:
-        """Copy in the attention pages (``pages``' rows) of ``blocks``; other groups' pages
-        are not kept (the state comes from the load's final views: only the last attempt's
-        state counts)."""
+        """Copy in the attention pages (``pages``' rows) of ``blocks``, adjacent and ascending
+        as ``Connector.load`` hands them over: one copy per part. Other groups' pages are not
+        kept (the state comes from the load's final views: only the last attempt's state
+        counts)."""
         if group != ATTENTION_GROUP:
             return
-        lo = 0
-        for hi in range(1, len(blocks) + 1):      # one copy per part per run of adjacent blocks
-            if hi == len(blocks) or blocks[hi] != blocks[hi - 1] + 1:
-                first, run = blocks[lo], pages[lo:hi]
-                for p, _, dest in self._parts:
-                    heads = dest.shape[0]
-                    rows = run[:, p.offset:p.offset + p.nbytes].reshape(len(run), heads, -1)
-                    np.copyto(dest[:, first:first + len(run)], rows.transpose(1, 0, 2))
-                lo = hi
+        first, n = blocks[0], len(blocks)
+        for p, _, dest in self._parts:
+            rows = pages[:, p.offset:p.offset + p.nbytes].reshape(n, dest.shape[0], -1)
+            np.copyto(dest[:, first:first + n], rows.transpose(1, 0, 2))
 
     def build(self, blocks: int, state_page: np.ndarray | None):
         """The model's cache object holding the first ``blocks`` blocks (a load that shrank

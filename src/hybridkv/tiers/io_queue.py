@@ -11,7 +11,6 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
 
 READ, WRITE = 0, 1
 
@@ -89,10 +88,11 @@ def batches_of(futures) -> set[Future]:
     return {getattr(f, "batch", f) for f in futures}
 
 
-def outcomes(futures) -> list[tuple[Any, BaseException | None]]:
-    """(result, None) or (None, exception) of each finished future; a ``BatchItem``'s batch
-    is asked once for all its items (a finished Future still takes a lock per question)."""
-    answers: dict[int, tuple[Any, BaseException | None]] = {}
+def outcomes(futures) -> list[tuple[bool, BaseException | None]]:
+    """Did each finished job succeed (a truthy result)? A job that raised did not: its
+    exception comes back for the caller to log, never raised. A ``BatchItem``'s batch is
+    asked once for all its items (a finished Future still takes a lock per question)."""
+    answers: dict[int, tuple[object, BaseException | None]] = {}
     out = []
     for future in futures:
         batch = getattr(future, "batch", None)
@@ -104,5 +104,7 @@ def outcomes(futures) -> list[tuple[Any, BaseException | None]]:
             except Exception as e:
                 answer = answers[id(source)] = (None, e)
         value, error = answer
-        out.append((value[future.index] if batch is not None and error is None else value, error))
+        if error is None and batch is not None:
+            value = value[future.index]
+        out.append((error is None and bool(value), error))
     return out
