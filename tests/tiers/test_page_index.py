@@ -1,18 +1,28 @@
-"""The packed-page index: a numpy hash table that must agree with a dict whatever happens."""
+"""The packed-page index: a numpy hash table that must agree with a dict whatever happens,
+probed in C (tiers/_page_probe.c) or, where that is not built, in numpy: both run here."""
 
 import random
 
 import numpy as np
 import pytest
 
-from hybridkv.tiers import packfile
+from hybridkv.tiers import packfile, page_index
 from hybridkv.tiers.page_index import PageTable, fingerprints, table_fingerprints
 
 KEYS = [i.to_bytes(16, "big") for i in range(2000)] + [bytes([i]) * (i % 33) for i in range(60)]
 
 
+@pytest.fixture(params=["compiled", "numpy"])
+def probe(request, monkeypatch):
+    """Each table test runs with the C probe and with the numpy one."""
+    if request.param == "numpy":
+        monkeypatch.setattr(page_index, "compiled_probe", None)
+    else:
+        assert page_index.compiled_probe is not None, "tiers/_page_probe.c is not built: run scripts/setup.sh"
+
+
 @pytest.mark.parametrize("seed", range(3))
-def test_the_table_agrees_with_a_dict_through_random_puts_and_removals(seed):
+def test_the_table_agrees_with_a_dict_through_random_puts_and_removals(seed, probe):
     rng = random.Random(seed)
     table, model = PageTable(16), {}
     for step in range(800):
@@ -35,7 +45,7 @@ def test_the_table_agrees_with_a_dict_through_random_puts_and_removals(seed):
         assert len(table) == len(model)
 
 
-def test_of_equal_keys_in_one_batch_the_first_is_indexed_unless_replacing():
+def test_of_equal_keys_in_one_batch_the_first_is_indexed_unless_replacing(probe):
     table = PageTable()
     fps = fingerprints([b"a" * 16, b"b" * 16, b"a" * 16])
     old, indexed = table.put(fps, np.array([1, 2, 3]), replace=False)
@@ -43,7 +53,7 @@ def test_of_equal_keys_in_one_batch_the_first_is_indexed_unless_replacing():
     assert table.find(fps).tolist() == [1, 2, 1] and len(table) == 2
 
 
-def test_removed_slots_are_reclaimed_and_the_table_shrinks_when_rebuilt():
+def test_removed_slots_are_reclaimed_and_the_table_shrinks_when_rebuilt(probe):
     table = PageTable()
     fps = fingerprints([i.to_bytes(16, "little") for i in range(50_000)])
     locs = np.arange(50_000, dtype=np.int64)
@@ -67,3 +77,28 @@ def test_fingerprints_are_the_key_at_16_bytes_and_a_hash_otherwise():
     keys = [bytes(range(16)), b"k", b"k\0", b"x" * 32]
     table = packfile.make_table([(0, k, 0, 1, 0) for k in keys])
     assert table_fingerprints(table["key"], table["key_len"]).tobytes() == fingerprints(keys).tobytes()
+
+
+def test_both_probes_find_the_same_slots_in_a_crowded_table_with_removals(monkeypatch):
+    """Long probe chains that wrap around the table's end and pass removed slots."""
+    assert page_index.compiled_probe is not None, "tiers/_page_probe.c is not built: run scripts/setup.sh"
+    table = PageTable(16)
+    fps = fingerprints([i.to_bytes(16, "little") for i in range(20_000)])
+    table.put(fps, np.arange(20_000, dtype=np.int64), replace=True)
+    table.remove(fps[::3], np.arange(0, 20_000, 3, dtype=np.int64))
+    asked = np.concatenate([fps, fingerprints([(i + 1 << 64).to_bytes(16, "little") for i in range(500)])])
+    compiled = table._probe(asked)
+    monkeypatch.setattr(page_index, "compiled_probe", None)
+    assert table._probe(asked).tolist() == compiled.tolist()
+    assert (compiled[::3][:6667] == -1).all() and (compiled[20_000:] == -1).all()
+    assert (table._loc[compiled[1:20_000:3]] == np.arange(1, 20_000, 3)).all()
+
+
+def test_the_compiled_probe_refuses_arrays_that_do_not_fit_the_table():
+    assert page_index.compiled_probe is not None, "tiers/_page_probe.c is not built: run scripts/setup.sh"
+    table = PageTable(16)
+    fps = fingerprints([b"a" * 16])
+    with pytest.raises(ValueError, match="2\\*\\*bits slots"):
+        page_index.compiled_probe(table._hi, table._lo, table._loc, fps, np.empty(1, np.int64), table._bits + 1)
+    with pytest.raises(ValueError, match="one per fingerprint"):
+        page_index.compiled_probe(table._hi, table._lo, table._loc, fps, np.empty(2, np.int64), table._bits)

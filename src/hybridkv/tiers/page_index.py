@@ -18,6 +18,11 @@ import hashlib
 
 import numpy as np
 
+try:    # the probe in C (tiers/_page_probe.c): a lookup beside busy threads keeps the GIL
+    from hybridkv.tiers._page_probe import probe as compiled_probe
+except ImportError:     # not built (no C compiler): the numpy probe below
+    compiled_probe = None
+
 FINGERPRINT_BYTES = 16
 EMPTY = -1                      # a slot never used: a probe for a missing key stops here
 REMOVED = -2                    # a slot emptied by a removal: probes continue past it
@@ -59,6 +64,7 @@ class PageTable:
 
     def _allocate(self, capacity: int) -> None:
         bits = max(4, (capacity - 1).bit_length())
+        self._bits = bits
         self._shift = np.uint64(64 - bits)
         self._mask = (1 << bits) - 1
         self._hi = np.zeros(1 << bits, np.uint64)
@@ -92,6 +98,10 @@ class PageTable:
 
     def _probe(self, fps: np.ndarray) -> np.ndarray:
         """The slot holding each fingerprint, or -1."""
+        if compiled_probe is not None:
+            found = np.empty(len(fps), np.int64)
+            compiled_probe(self._hi, self._lo, self._loc, np.ascontiguousarray(fps, np.uint64), found, self._bits)
+            return found
         slots, found = self._home(fps), np.full(len(fps), -1, np.intp)
         pending = np.arange(len(fps))
         width = 1                   # most keys stop at their home slot
