@@ -60,7 +60,8 @@ def test_bench_cli_quick_json_and_report(tmp_path):
     B = 64                                   # the bench's block: everything up to the replay block
     assert all(r["identical"] and r["hit_tokens"] == (r["prompt_tokens"] - 1) // B * B
                and r["ram_dir"] == str(tmp_path / "shm") for r in res["restore"])
-    assert all(r["lookup_wait_inside_ms"] > 0 and r["lookup_wait_background_ms"] > 0 for r in res["restore"])
+    assert all(r["lookup_wait_inside_ms"] > 0 and r["lookup_wait_background_ms"] > 0 and r["lookup_alone_ms"] > 0
+               and r["lookup_beside_reads_ms"] > 0 for r in res["restore"])
     sims = res["simulator"]
     assert {s["workload"] for s in sims} == {"multi_turn_chat", "shared_system_prompt", "document_qa", "agentic"}
     assert set(sims[0]) >= {"workload", "retention", "eviction", "budget_bytes", "token_hit_rate",

@@ -181,6 +181,16 @@ def tables(res: dict) -> str:
                 f"{row['lookup_wait_background_ms']:.1f} | "
                 f"{row['lookup_wait_background_ms'] / row['lookup_wait_inside_ms']:.2f}x |")
         add("")
+    if all("lookup_beside_reads_ms" in row for row in res["restore"]):
+        add("What those background reads cost the next lookup (vLLM's scheduler looks up waiting "
+            "requests while earlier ones load): `begin` of a second request for the same prompt "
+            "while the first one's reads run, vs `begin` on an idle cache:\n")
+        add("| prompt tokens | lookup, idle ms | lookup beside the reads ms | ratio |")
+        add("|---:|---:|---:|---:|")
+        for row in res["restore"]:
+            add(f"| {row['prompt_tokens']} | {row['lookup_alone_ms']:.2f} | {row['lookup_beside_reads_ms']:.2f} | "
+                f"{row['lookup_beside_reads_ms'] / row['lookup_alone_ms']:.2f}x |")
+        add("")
     add("### Workload simulator (Qwen3-Next-80B-A3B layout, B = 256, reference 8,192 tokens)\n")
     add("Token hit rate by RAM budget per worker:\n")
     sims = res["simulator"]
