@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -212,19 +213,21 @@ class Connector:
     def _sources(self, req: RequestState, blocks: dict[int, range]) -> tuple[dict[str, int], dict[str, int]]:
         """Pages loaded from each tier, and the loaded tokens by tier: a block's tokens count
         for the slowest tier any of its pages came from; blocks without pages of their own (a
-        state-only model's) count with the hit's last block, whose state restores them."""
+        state-only model's) count with the hit's last block, whose state restores them.
+        Counted a group at a time (this runs beside the reads it just started)."""
         names = self.cache.tier_names
+        rank = {name: i for i, name in enumerate(names)}
         pages = dict.fromkeys(names, 0)
-        slowest: dict[int, int] = {}
-        for gid, bs in blocks.items():
-            for b in bs:
-                tier = req.where[gid][b]
-                pages[tier] += 1
-                slowest[b] = max(slowest.get(b, 0), names.index(tier))
-        tokens = dict.fromkeys(names, 0)
         n = req.hit.tokens // self.B
-        for b in range(min(req.local_blocks, n), n):
-            tokens[names[slowest.get(b, slowest[n - 1])]] += self.B
+        slowest = [-1] * n                     # per block: the slowest tier's rank, -1: no page
+        for gid, bs in blocks.items():
+            tiers = req.where[gid][bs.start:bs.stop]
+            for tier, count in Counter(tiers).items():
+                pages[tier] += count
+            slowest[bs.start:bs.stop] = map(max, slowest[bs.start:bs.stop], map(rank.__getitem__, tiers))
+        tokens = dict.fromkeys(names, 0)
+        for r, count in Counter(slowest[min(req.local_blocks, n):]).items():
+            tokens[names[r if r >= 0 else slowest[n - 1]]] += count * self.B
         return pages, tokens
 
     def release(self, req: RequestState) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from itertools import repeat
 
 from hybridkv.ram.pool import Lookup, PoolEvent, SlotPool, StorePlan, make_pool
 
@@ -51,8 +52,7 @@ class GroupedPools:
         if request is not None:
             pins = self._request_pins.setdefault(request, Counter())
             for gid, ks in keys.items():
-                for k in ks:
-                    pins[(gid, k)] += 1
+                pins.update(zip(repeat(gid), ks))      # counted in C
         return slots
 
     def complete_load(self, keys: GroupKeys, request: str | None = None) -> None:
@@ -62,9 +62,12 @@ class GroupedPools:
         if pins is not None:
             for gid, ks in keys.items():
                 for k in ks:
-                    pins[(gid, k)] -= 1
-                    if pins[(gid, k)] <= 0:
-                        del pins[(gid, k)]
+                    key = (gid, k)
+                    left = pins[key] - 1
+                    if left > 0:
+                        pins[key] = left
+                    else:
+                        del pins[key]
 
     # -- stores ----------------------------------------------------------------------------
     def prepare_store(self, keys: GroupKeys) -> dict[int, StorePlan] | None:
