@@ -245,6 +245,31 @@ def test_pages_located_by_the_caller_are_read_from_there_and_a_stale_answer_cost
         assert cache.request_finished("b") == 0
 
 
+def test_prefetched_pages_are_read_once_waited_for_by_a_load_and_published_if_none_waits(tmp_path):
+    """What lets an engine start a prompt's disk reads while it is still keying it: only
+    pages RAM lacks and a tier holds are read, once; a load wanting them waits for those
+    reads; the rest reach RAM unpinned."""
+    config = CacheConfig(block_tokens=16, ram_bytes=1024**2, store=str(tmp_path))
+    _stored_on_disk(tmp_path, config, 4)
+    with TieredCache(LAYOUT, config) as cache:
+        cache.store({0: [(key(9), page(0, 9))]})
+        keys = [key(9), key(0), key(1), key(2), key(7)]
+        where = cache.locate(0, keys)
+        assert where == ["ram", "fs", "fs", "fs", None]
+        assert cache.prefetch(0, keys, where) == 3
+        assert cache.prefetch(0, keys, cache.locate(0, keys)) == 0       # in flight: not again
+        acquisition = cache.start_acquire({0: [key(0), key(1)]}, "a")
+        assert acquisition is not None and not acquisition.pinned   # it waits for the prefetch
+        views = cache.finish_acquire(acquisition)
+        assert all(np.array_equal(v, page(0, i)) for i, v in enumerate(views[0]))
+        cache.release_acquisition(acquisition)
+        cache.drain()
+        pool = cache.pools.pool(0)
+        assert pool.lookup(key(2)).value == "hit" and pool.refs_of(key(2)) == 0
+        assert cache.secondaries[0].stats["reads"] == 3
+        assert cache.request_finished("a") == 0
+
+
 def test_arrivals_give_pinned_pages_at_once_then_each_read_as_it_lands_never_a_failed_one(tmp_path, monkeypatch):
     """What lets an engine copy pages while later ones are still being read: a page is
     yielded while another page's read is held back, with the bytes stored; a page that

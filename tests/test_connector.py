@@ -230,6 +230,34 @@ def test_on_pages_sees_every_page_of_the_hit_load_serves_even_after_a_failed_rea
         conn.finish(req)
 
 
+def test_a_prefetching_begin_keys_and_hits_as_a_plain_one_and_reads_nothing_past_a_gap(tmp_path):
+    """``begin(prefetch=True)`` keys the prompt in parts and starts each part's disk reads
+    at once. Blocks 0-19 and 21-39 are on disk with the state at 10B: blocks 0-19 are read
+    (the second part, 16-39, stops at the gap), the rest not, and the hit is a plain one's."""
+    ids = tokens(40 * B + 1, 23)
+    config = disk_config(tmp_path, reference_tokens=64 * B)
+    with TieredCache(LAYOUT, config) as cache:
+        keys = Connector(cache).begin("keys", ids).keys
+        for b in [*range(20), *range(21, 40)]:      # one at a time: RAM holds ~200 pages
+            assert cache.store({0: [(keys[b], page(0, b))]})
+            cache.drain()
+        assert cache.store({1: [(keys[9], page(1, 10))]})
+        cache.drain()
+    with TieredCache(LAYOUT, config) as cache:
+        conn = Connector(cache)
+        req = conn.begin("r", ids, prefetch=True)
+        plain = conn.begin("plain", ids)
+        assert req.keys == plain.keys == keys and req.hit == plain.hit and req.hit.tokens == 10 * B
+        assert req.where == plain.where
+        cache.drain()
+        assert cache.secondaries[0].stats["reads"] == 20
+        views = conn.load(req)
+        assert all(np.array_equal(views[0][b], page(0, b)) for b in range(10))
+        assert np.array_equal(views[1][0], page(1, 10))
+        conn.finish(req)
+        conn.finish(plain)
+
+
 def test_a_state_only_model_s_tokens_come_with_its_state(tmp_path):
     from hybridkv.core.layout import layout_from_dict
 

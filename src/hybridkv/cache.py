@@ -293,6 +293,19 @@ class TieredCache:
     def release(self, wanted: Mapping[int, Sequence[bytes]], request: str | None = None) -> None:
         self.pools.complete_load(wanted, request)
 
+    def prefetch(self, group: int, keys: Sequence[bytes], where: Sequence[str | None]) -> int:
+        """Start reading into RAM the pages ``where`` puts in a secondary tier and RAM lacks,
+        pinning nothing; returns how many. A load that wants them later waits for these
+        reads instead of starting its own, and ``poll`` publishes pages nobody waited for.
+        For a caller still keying the rest of a prompt: its first pages are on their way."""
+        pool = self.pools.pool(group)
+        missing = [key for key, tier in zip(keys, where, strict=True)
+                   if tier is not None and tier != RAM and pool.lookup(key) is Lookup.MISS]
+        if not missing or self._start_promotion({group: missing}, {(group, key): tier for key, tier in
+                                                                   zip(keys, where, strict=True)}) is None:
+            return 0
+        return len(missing)
+
     def _start_promotion(self, missing: Mapping[int, Sequence[bytes]],
                          sources: dict[tuple[int, bytes], str | None]) -> Promotion | None:
         """Reserve RAM slots for pages only secondary tiers hold and start reading each from

@@ -51,3 +51,12 @@ def test_64k_prompt_gives_one_distinct_key_per_block():
     tokens = np.random.default_rng(0).integers(0, 150000, 65536)
     keys = block_hashes(tokens, 16)
     assert len(keys) == 4096 and len(set(keys)) == 4096
+
+
+def test_a_chain_keyed_in_parts_is_the_chain_keyed_at_once():
+    """What lets a prompt be looked up a part at a time while the rest is still keyed."""
+    tokens = list(range(640))
+    whole = block_hashes(tokens, 64, salt="s", extra=b"x")
+    first = block_hashes(tokens[:192], 64, salt="s", extra=b"x")
+    assert first + block_hashes(tokens[192:], 64, salt="s", extra=b"x", after=first[-1]) == whole
+    assert block_hashes(tokens[192:], 64, salt="s", extra=b"x") != whole[3:]

@@ -26,14 +26,16 @@ def block_hashes(
     block_tokens: int,
     salt: bytes | str | None = None,
     extra: bytes | None = None,
+    after: bytes | None = None,
 ) -> list[bytes]:
-    """Hashes of every *full* block of ``tokens``; a ragged tail has no key."""
+    """Hashes of every *full* block of ``tokens``; a ragged tail has no key. ``after`` (the
+    key of the block before ``tokens``) continues a chain keyed a part at a time."""
     ids = np.asarray(tokens, dtype=np.int64)
     n_blocks = len(ids) // block_tokens
     raw = ids[: n_blocks * block_tokens].astype("<i8", copy=False).tobytes()
     step = block_tokens * 8
     tail = extra or b""
-    prev = root_hash(salt)
+    prev = root_hash(salt) if after is None else after
     out = []
     blake = hashlib.blake2b
     for i in range(n_blocks):

@@ -126,7 +126,8 @@ class Engine:
         index = next(self._ids)
         conn = self.connector
         t0 = time.perf_counter()       # TTFT counts the hit lookup too
-        req = conn.begin(f"r{index}-{id(self)}", ids, salt, max_stored_tokens) if conn else None
+        # the load follows at once: its disk reads may start while the prompt is keyed
+        req = conn.begin(f"r{index}-{id(self)}", ids, salt, max_stored_tokens, prefetch=True) if conn else None
         try:
             return self._run(index, ids, max_new_tokens, req, t0)
         finally:
