@@ -470,7 +470,8 @@ def bench_restore(lengths: list[int], model: str = "tiny-hybrid", repeats: int =
     Disk restores alternate with raw reads of the same files, so the ceiling is sampled as
     often as the restore and a disk whose speed drifts moves both alike; which of the two
     goes first alternates too (this VM's disk reads bytes it read a moment ago faster). The
-    disk, the noisiest, gets two more samples."""
+    disk, the noisiest, gets three times as many samples (this VM's disk moves ±10% from one
+    restore to the next)."""
     from hybridkv.engine.engine import Engine
 
     rows = []
@@ -487,7 +488,7 @@ def bench_restore(lengths: list[int], model: str = "tiny-hybrid", repeats: int =
                 engine.generate(ids, 4)
                 rams = [engine.generate(ids, 4) for _ in range(repeats)]
             same, disks, raw_reads = _SamePages(Path(store)), [], []
-            for r in range(repeats + 2):
+            for r in range(3 * repeats):
                 for name in _rotated(["raw", "disk"], r):
                     if name == "raw":
                         raw_reads.append(same.raw_read_gbps())
