@@ -154,10 +154,12 @@ class Connector:
                 for tiers in found.values():
                     if None in tiers:
                         stored = min(stored, lo + tiers.index(None))
+                reading = 0
                 for gid, tiers in found.items():
                     where[gid] += tiers
-                    self.cache.prefetch(gid, req.keys[lo:stored], tiers[:max(0, stored - lo)])
-            time.sleep(0)       # hand the GIL to the reader threads: they start their reads now
+                    reading += self.cache.prefetch(gid, req.keys[lo:stored], tiers[:max(0, stored - lo)])
+                if reading:     # hand the GIL to the reader threads: they start their reads now
+                    time.sleep(0)
             part *= 2
         return where
 
