@@ -134,6 +134,13 @@ class RestoredCache:
             tensor = torch.empty((1, heads, blocks * block, dim), dtype=p.dtype)
             # seen as bytes [heads, blocks, B*dim*size]: pages hold [heads, B, dim]
             self._parts.append((p, tensor, tensor.view(torch.uint8).numpy().reshape(heads, blocks, p.nbytes // heads)))
+        # the cache object is built now, while the reads run: only the state waits for them
+        self.cache = adapter.new_cache()
+        for layer, kv in self._by_layer(blocks).items():
+            # transformers concatenates onto what a layer holds (a second copy): initialize
+            # the layer through its own update with no tokens, then hand it our tensors
+            self.cache.update(kv["k"][:, :, :0], kv["v"][:, :, :0], layer)
+            self.cache.layers[layer].keys, self.cache.layers[layer].values = kv["k"], kv["v"]
 
     def add(self, group: int, blocks: list[int], pages: np.ndarray) -> None:
         """Copy in the attention pages (``pages``' rows) of ``blocks``, adjacent and ascending
@@ -147,21 +154,21 @@ class RestoredCache:
             rows = pages[:, p.offset:p.offset + p.nbytes].reshape(n, dest.shape[0], -1)
             np.copyto(dest[:, first:first + n], rows.transpose(1, 0, 2))
 
+    def _by_layer(self, blocks: int) -> dict[int, dict[str, torch.Tensor]]:
+        """Each attention layer's K and V tensors holding the first ``blocks`` blocks."""
+        by_layer: dict[int, dict[str, torch.Tensor]] = {}
+        for p, tensor, _ in self._parts:
+            if blocks < self.blocks:
+                tensor = tensor[:, :, :blocks * self.adapter.B].clone()
+            by_layer.setdefault(p.layer, {})[p.name] = tensor
+        return by_layer
+
     def build(self, blocks: int, state_page: np.ndarray | None):
         """The model's cache object holding the first ``blocks`` blocks (a load that shrank
         its hit returns fewer than were allocated) and the state at their end."""
-        adapter = self.adapter
-        cache = adapter.new_cache()
-        if blocks:
-            by_layer: dict[int, dict[str, torch.Tensor]] = {}
-            for p, tensor, _ in self._parts:
-                if blocks < self.blocks:
-                    tensor = tensor[:, :, :blocks * adapter.B].clone()
-                by_layer.setdefault(p.layer, {})[p.name] = tensor
-            for layer, kv in by_layer.items():
-                # transformers concatenates onto what a layer holds (a second copy): initialize
-                # the layer through its own update with no tokens, then hand it our tensors
-                cache.update(kv["k"][:, :, :0], kv["v"][:, :, :0], layer)
+        adapter, cache = self.adapter, self.cache
+        if blocks < self.blocks:
+            for layer, kv in self._by_layer(blocks).items():
                 cache.layers[layer].keys, cache.layers[layer].values = kv["k"], kv["v"]
         if state_page is not None and adapter.state_parts:
             page = torch.from_numpy(np.asarray(state_page))
