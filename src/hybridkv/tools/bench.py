@@ -156,7 +156,7 @@ def bench_fs(directory: str | None = None, page_bytes: int = 4 * MiB, pages: int
 
 
 def bench_fs_batch(page_sizes: tuple[int, ...] = (32 * 1024, 256 * 1024, 2 * MiB, 10 * MiB),
-                   total_bytes: int = 64 * MiB, repeats: int = 5) -> list[dict]:
+                   total_bytes: int = 64 * MiB, repeats: int = 9) -> list[dict]:
     """Batched reads as a promotion does them (``submit_reads``: verified, copied into the
     destination pages) vs raw reads of the very same files the way the tier reads them, and
     vs raw reads of the same pages stored one file each (the layout small pages had before
@@ -679,7 +679,7 @@ def run_bench(quick: bool = False, remote: str | None = None, manager_slots: int
     progress("tiers: filesystem vs raw disk")
     out["fs"] = bench_fs(pages=32 if quick else 128, repeats=3 if quick else 5)
     progress("tiers: filesystem batched reads (promotion path) vs raw reads of the same files")
-    out["fs_batch"] = bench_fs_batch(total_bytes=(16 if quick else 64) * MiB, repeats=3 if quick else 5)
+    out["fs_batch"] = bench_fs_batch(total_bytes=(16 if quick else 64) * MiB, repeats=3 if quick else 9)
     progress("tiers: opening a large filesystem store")
     out["fs_startup"] = bench_fs_startup(20_000 if quick else 200_000)
     progress("tiers: opening a store of small pages in packs")
