@@ -5,7 +5,9 @@ A store of a million packed pages indexed in Python dicts and sets costs ~250 B 
 arrays: its key's 16-byte fingerprint (two uint64) and its location (pack number << 32 |
 entry), 24 B at a load of 0.35-0.7. Lookups and inserts take whole batches - a request's
 keys, a pack's table, every table of a store at start-up - and run at numpy speed
-(open addressing, linear probing, all keys of a batch probing in step).
+(open addressing, linear probing, all keys of a batch probing in step). The probe runs in C
+where that is built (tiers/_page_probe.c): a lookup then keeps the GIL, so it does not wait
+behind the tier's reader threads.
 
 A fingerprint is the key itself when the key has 16 bytes (block keys are 16-byte
 blake2b digests); any other key is hashed to 16 bytes with blake2b, so two keys share a
