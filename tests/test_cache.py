@@ -270,6 +270,34 @@ def test_prefetched_pages_are_read_once_waited_for_by_a_load_and_published_if_no
         assert cache.request_finished("a") == 0
 
 
+def test_reads_a_load_joined_stay_its_own_when_making_room_for_its_other_pages_drains(tmp_path):
+    """RAM is full and write-throughs are pending, so making room for a load's own reads
+    drains, and that settles the prefetch the load joined. Those pages must be pinned for
+    the load there, not published unpinned and then evicted for its other pages: 2 joined
+    + 7 more pages cannot fit in 8 slots, so the load fails and pins nothing."""
+    B = LAYOUT.block_tokens
+    budget = 8 * LAYOUT.group(0).page_bytes + 2 * LAYOUT.group(1).page_bytes
+    config = CacheConfig(block_tokens=B, ram_bytes=budget, reference_tokens=8 * B, store=str(tmp_path))
+    with TieredCache(LAYOUT, config) as cache:
+        assert cache.plan.slots_per_group()[0] == 8
+        for i in range(9):
+            assert cache.store({0: [(key(i), page(0, i))]})
+            cache.drain()
+    with TieredCache(LAYOUT, config) as cache:
+        assert cache.prefetch(0, [key(0), key(1)], cache.locate(0, [key(0), key(1)])) == 2
+        for i in range(6):                   # RAM full: 2 being read, 6 held by their writes
+            assert cache.store({0: [(key(20 + i), page(0, 20 + i))]})
+        acquisition = cache.start_acquire({0: [key(i) for i in range(9)]}, "a")
+        if acquisition is not None:          # it must then serve every page it promised
+            views = cache.finish_acquire(acquisition)
+            assert views is not None and all(np.array_equal(v, page(0, i)) for i, v in enumerate(views[0]))
+            cache.release_acquisition(acquisition)
+        assert acquisition is None
+        assert cache.request_finished("a") == 0
+        cache.drain()
+        assert all(cache.pools.pool(0).refs_of(key(i)) == 0 for i in (0, 1))
+
+
 def test_arrivals_give_pinned_pages_at_once_then_each_read_as_it_lands_never_a_failed_one(tmp_path, monkeypatch):
     """What lets an engine copy pages while later ones are still being read: a page is
     yielded while another page's read is held back, with the bytes stored; a page that

@@ -217,13 +217,17 @@ class TieredCache:
         self.pools.prepare_load(resident, request)
         acquisition = Acquisition({gid: list(keys) for gid, keys in wanted.items()}, request,
                                   resident, joined)
+        # wait on the joined reads before making room for the rest: that may drain, and a
+        # drain settles them, pinning their pages for their waiters (else it publishes them
+        # unpinned, and making room could evict them)
+        for promotion in joined:
+            promotion.waiters.append(acquisition)
         if missing:
             promotion = self._start_promotion(missing, sources)
             if promotion is None:
-                self.pools.complete_load(resident, request)
+                self.release_acquisition(acquisition)
                 return None
             acquisition.waiting[promotion] = missing
-        for promotion in acquisition.waiting:
             promotion.waiters.append(acquisition)
         self.counters[RAM].hits += sum(len(k) for k in resident.values())
         return acquisition
