@@ -296,6 +296,11 @@ def test_reads_a_load_joined_stay_its_own_when_making_room_for_its_other_pages_d
         assert cache.request_finished("a") == 0
         cache.drain()
         assert all(cache.pools.pool(0).refs_of(key(i)) == 0 for i in (0, 1))
+        # a prefetch short of room reads nothing and waits for no write: the load makes room
+        for i in range(8):
+            assert cache.store({0: [(key(30 + i), page(0, 30 + i))]})
+        assert cache.prefetch(0, [key(2)], ["fs"]) == 0
+        assert cache.stats()["pending_writes"] == 8 and cache.stats()["promotions_in_flight"] == 0
 
 
 def test_arrivals_give_pinned_pages_at_once_then_each_read_as_it_lands_never_a_failed_one(tmp_path, monkeypatch):

@@ -305,15 +305,16 @@ class TieredCache:
         pool = self.pools.pool(group)
         missing = [key for key, tier in zip(keys, where, strict=True)
                    if tier is not None and tier != RAM and pool.lookup(key) is Lookup.MISS]
-        if not missing or self._start_promotion({group: missing}, {(group, key): tier for key, tier in
-                                                                   zip(keys, where, strict=True)}) is None:
-            return 0
+        sources = {(group, key): tier for key, tier in zip(keys, where, strict=True)}
+        if not missing or self._start_promotion({group: missing}, sources, drain=False) is None:
+            return 0            # no room now: the load makes room (it may wait for writes)
         return len(missing)
 
     def _start_promotion(self, missing: Mapping[int, Sequence[bytes]],
-                         sources: dict[tuple[int, bytes], str | None]) -> Promotion | None:
+                         sources: dict[tuple[int, bytes], str | None], drain: bool = True) -> Promotion | None:
         """Reserve RAM slots for pages only secondary tiers hold and start reading each from
-        the tier ``sources`` names, or else the first tier holding it."""
+        the tier ``sources`` names, or else the first tier holding it. Short of room,
+        ``drain`` waits for the write-throughs that pin slots and tries again."""
         for gid, keys in missing.items():
             unknown = [key for key in keys if sources[(gid, key)] is None]
             for key, tier in zip(unknown, self.locate_below_ram(gid, unknown), strict=True):
@@ -321,7 +322,7 @@ class TieredCache:
                     return None
                 sources[(gid, key)] = tier
         plans = self.pools.prepare_store(missing)
-        if plans is None and self._writes:
+        if plans is None and drain and self._writes:
             # Slots pinned only by write-through free up once those writes land: waiting for
             # them is bounded and far cheaper than recomputing the prefix.
             self.drain()
