@@ -170,7 +170,7 @@ class Connector:
         for g in self.groups:   # token pages the engine holds are not looked up in any tier
             skip = local if g.is_token_group else 0
             state = g.kind is GroupKind.STATE
-            if located is not None and g.id in located:
+            if located and g.id in located:     # token groups ``begin`` looked up already
                 where[g.id] = located[g.id]
                 continue
             where[g.id] = [None] * skip + self.cache.locate(g.id, req.keys[skip:cap], secondary=not state)

@@ -12,13 +12,19 @@ from hybridkv.tiers.page_index import PageTable, fingerprints, table_fingerprint
 KEYS = [i.to_bytes(16, "big") for i in range(2000)] + [bytes([i]) * (i % 33) for i in range(60)]
 
 
+def compiled_probe():
+    """The C probe, which scripts/setup.sh builds: a test of it fails where it is missing."""
+    assert page_index.compiled_probe is not None, "tiers/_page_probe.c is not built: run scripts/setup.sh"
+    return page_index.compiled_probe
+
+
 @pytest.fixture(params=["compiled", "numpy"])
 def probe(request, monkeypatch):
     """Each table test runs with the C probe and with the numpy one."""
     if request.param == "numpy":
         monkeypatch.setattr(page_index, "compiled_probe", None)
     else:
-        assert page_index.compiled_probe is not None, "tiers/_page_probe.c is not built: run scripts/setup.sh"
+        compiled_probe()
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -79,9 +85,9 @@ def test_fingerprints_are_the_key_at_16_bytes_and_a_hash_otherwise():
     assert table_fingerprints(table["key"], table["key_len"]).tobytes() == fingerprints(keys).tobytes()
 
 
-def test_both_probes_find_the_same_slots_in_a_crowded_table_with_removals(monkeypatch):
+def test_both_probes_find_the_same_slots_past_removed_slots_and_for_misses(monkeypatch):
     """20,000 keys with a third of them removed (probes pass removed slots), and 500 misses."""
-    assert page_index.compiled_probe is not None, "tiers/_page_probe.c is not built: run scripts/setup.sh"
+    compiled_probe()
     table = PageTable(16)
     fps = fingerprints([i.to_bytes(16, "little") for i in range(20_000)])
     table.put(fps, np.arange(20_000, dtype=np.int64), replace=True)
@@ -95,10 +101,10 @@ def test_both_probes_find_the_same_slots_in_a_crowded_table_with_removals(monkey
 
 
 def test_the_compiled_probe_refuses_arrays_that_do_not_fit_the_table():
-    assert page_index.compiled_probe is not None, "tiers/_page_probe.c is not built: run scripts/setup.sh"
+    probe = compiled_probe()
     table = PageTable(16)
     fps = fingerprints([b"a" * 16])
     with pytest.raises(ValueError, match="2\\*\\*bits slots"):
-        page_index.compiled_probe(table._hi, table._lo, table._loc, fps, np.empty(1, np.int64), table._bits + 1)
+        probe(table._hi, table._lo, table._loc, fps, np.empty(1, np.int64), table._bits + 1)
     with pytest.raises(ValueError, match="one per fingerprint"):
-        page_index.compiled_probe(table._hi, table._lo, table._loc, fps, np.empty(2, np.int64), table._bits)
+        probe(table._hi, table._lo, table._loc, fps, np.empty(2, np.int64), table._bits)

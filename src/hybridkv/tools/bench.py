@@ -554,11 +554,11 @@ def _lookup_waits(layout, config: CacheConfig, ids: list[int], repeats: int) -> 
             conn.finish(req)
         return ms, lookup_ms
 
-    samples = [(*wait_ms(False), *wait_ms(True)) for _ in range(repeats)]
-    return {"lookup_wait_inside_ms": statistics.median(s[0] for s in samples),
-            "lookup_wait_background_ms": statistics.median(s[2] for s in samples),
-            "lookup_alone_ms": statistics.median(s[1] for s in samples),
-            "lookup_beside_reads_ms": statistics.median(s[3] for s in samples)}
+    inside, background = zip(*[(wait_ms(False), wait_ms(True)) for _ in range(repeats)], strict=True)
+    return {"lookup_wait_inside_ms": statistics.median(ms for ms, _ in inside),
+            "lookup_wait_background_ms": statistics.median(ms for ms, _ in background),
+            "lookup_alone_ms": statistics.median(lookup for _, lookup in inside),
+            "lookup_beside_reads_ms": statistics.median(lookup for _, lookup in background)}
 
 
 def _ttft_bounds(rams: list, disks: list, ceilings: dict) -> dict:
