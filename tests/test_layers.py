@@ -1,5 +1,5 @@
 """The package layers, checked on the source: lower layers never import upper ones, and
-nothing below engine/ imports torch or transformers."""
+nothing below device/ imports torch, nothing below engine/ transformers."""
 
 import ast
 from pathlib import Path
@@ -8,7 +8,8 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "hybridkv"
 # Lowest first; a module may import its own layer and the layers below it.
-LAYERS = ["core", "ram", "tiers", "config", "cache", "connector", "engine", "integrations", "tools"]
+LAYERS = ["core", "ram", "tiers", "config", "cache", "connector", "device", "engine", "integrations",
+          "tools"]
 HEAVY = {"torch", "transformers", "vllm"}
 LIGHT_LAYERS = {"core", "ram", "tiers", "config", "cache", "connector"}
 

@@ -23,7 +23,9 @@ import numpy as np
 
 from hybridkv.core.errors import HybridKVError
 
-PinHook = Callable[["SharedRegion"], None]
+# Runs once per process that maps a region (e.g. CUDA host registration); what it returns, if
+# anything, undoes it and runs before the mapping goes.
+PinHook = Callable[["SharedRegion"], "Callable[[], None] | None"]
 
 
 def process_start_time(pid: int) -> int | None:
@@ -66,6 +68,7 @@ class SharedRegion:
         self._map = mmap.mmap(fd, slots * page_bytes, mmap.MAP_SHARED)
         self.array = np.frombuffer(self._map, dtype=np.uint8).reshape(slots, page_bytes)
         self._unlinker = None
+        self._unpin: Callable[[], None] | None = None
         if owner:
             self.take_ownership()
 
@@ -115,8 +118,10 @@ class SharedRegion:
             raise
 
     @classmethod
-    def attach(cls, path: str | Path, slots: int, page_bytes: int) -> SharedRegion:
-        """Map a region another process created; its size must match."""
+    def attach(cls, path: str | Path, slots: int, page_bytes: int,
+               pin_hook: PinHook | None = None, rank: int = 0) -> SharedRegion:
+        """Map a region another process created; its size must match. ``pin_hook`` as in
+        ``create``: a worker that copies to a GPU registers its own mapping."""
         path = Path(path)
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
@@ -129,7 +134,14 @@ class SharedRegion:
                 f"RAM region {path} has {actual} B, expected {slots * page_bytes}; "
                 "the processes disagree on the layout or budget"
             )
-        return cls(path, slots, page_bytes, fd, owner=False)
+        region = cls(path, slots, page_bytes, fd, owner=False)
+        if pin_hook is not None:
+            try:
+                region.run_pin_hook(pin_hook, rank)
+            except BaseException:
+                region.close()
+                raise
+        return region
 
     def take_ownership(self) -> None:
         """This process will unlink the file at close, whoever created it. The files go at
@@ -142,7 +154,7 @@ class SharedRegion:
         lock_fd = os.open(self.path, os.O_RDONLY)
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX)
-            hook(self)
+            self._unpin = hook(self)
         except Exception as e:
             raise HybridKVError(
                 f"pinning RAM region failed on rank {rank}: path {self.path}, size {self.nbytes} B: {e}"
@@ -167,6 +179,9 @@ class SharedRegion:
     def close(self) -> None:
         if self._map is None:
             return
+        if self._unpin is not None:
+            self._unpin()
+            self._unpin = None
         self.array = None
         with contextlib.suppress(BufferError):  # a view still alive keeps the mapping
             self._map.close()

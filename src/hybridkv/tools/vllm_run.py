@@ -3,8 +3,10 @@
     python -m hybridkv.tools.vllm_run JOB.json
 
 The job names the model directory, dtype, the connector's extra config (or null for plain
-vLLM), optionally more ``KVTransferConfig`` fields (``"transfer"``), and a list of requests run
-one after another. On a request:
+vLLM), optionally more ``KVTransferConfig`` fields (``"transfer"``) and a
+``"tensor_parallel_size"`` (workers in processes of their own; on vLLM's CPU build set
+``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``0|1``), and a list of requests run one after another.
+On a request:
 
 - ``"reset": true`` empties vLLM's own prefix cache first, so a repeat must come from hybridkv;
   ``"reset_connector": true`` empties hybridkv's too, as after a weight update.
@@ -39,6 +41,9 @@ def run(job: dict) -> dict:
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="HybridKVConnector", kv_connector_module_path="hybridkv.integrations.vllm",
             kv_role="kv_both", kv_connector_extra_config=job["connector"], **job.get("transfer", {}))
+    tp = job.get("tensor_parallel_size", 1)
+    if tp > 1:
+        kwargs.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
     t0 = time.perf_counter()
     llm = LLM(model=job["model"], dtype=job.get("dtype", "float32"), enforce_eager=True,
               skip_tokenizer_init=True, enable_prefix_caching=True,

@@ -29,7 +29,7 @@ def tokens(seed: int, n: int) -> list[int]:
     return [rng.randrange(3, 512) for _ in range(n)]
 
 
-def engine_env(in_process: bool = False) -> dict:
+def engine_env(in_process: bool = False, tp: int = 1) -> dict:
     """The environment of an engine process: a 1 GiB KV cache, plenty for the tiny models.
 
     ``in_process`` runs vLLM's engine core inside that process instead of a child of it: the
@@ -39,23 +39,26 @@ def engine_env(in_process: bool = False) -> dict:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     if in_process:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if tp > 1:     # one core per worker: vLLM's CPU build refuses to share cores between ranks
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % os.cpu_count()) for i in range(tp))
     return env
 
 
 def run_engine(model_dir: Path, family: str, connector: dict | None, requests: list[dict],
-               workdir: Path, name: str, transfer: dict | None = None) -> dict:
+               workdir: Path, name: str, transfer: dict | None = None, tp: int = 1) -> dict:
     """One fresh vLLM engine process; returns its results and the connector's stats file.
-    ``transfer``: more KVTransferConfig fields (kv_load_failure_policy)."""
+    ``transfer``: more KVTransferConfig fields (kv_load_failure_policy); ``tp``: tensor-parallel
+    workers."""
     stats = workdir / f"{name}-stats.json"
     if connector is not None:
         connector = {**connector, "stats_file": str(stats)}
     job = {"model": str(model_dir), "dtype": dtype_of(family), "connector": connector,
-           "requests": requests, "max_tokens": 8, "transfer": transfer or {}}
+           "requests": requests, "max_tokens": 8, "transfer": transfer or {}, "tensor_parallel_size": tp}
     path = workdir / f"{name}-job.json"
     path.write_text(json.dumps(job))
     proc = subprocess.run([sys.executable, "-m", "hybridkv.tools.vllm_run", str(path)],
                           capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S,
-                          env=engine_env(in_process=True))
+                          env=engine_env(in_process=True, tp=tp))
     (workdir / f"{name}.log").write_text(proc.stdout + proc.stderr)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("HYBRIDKV_RESULT ")), None)
     assert proc.returncode == 0 and line, f"engine {name} failed:\n{proc.stderr[-4000:]}"

@@ -1,9 +1,15 @@
 """hybridkv's view of a vLLM engine: its layout and cache config from vLLM's own objects.
 
 One hybridkv group per vLLM KV-cache group, with the original group id and the real bytes of
-one block over the group's layers (padding excluded). The fingerprint carries the vLLM
-version, model and its weights' identity, dtype, block size and TP rank/size, so any change
-of these misses.
+one block over the group's layers (padding excluded), times the tensor-parallel size: a page
+holds every rank's slice, rank after rank, so the scheduler keeps one key and one slot per
+block whatever the TP size and the tiers below RAM store pages as they always do.
+
+The fingerprint carries the vLLM version and device (CPU-build attention pages hold K rows then
+V rows per head, GPU pages K|V per token), the model and its weights' identity, the block size,
+the TP size, and each group's tensors per rank (shapes and dtypes: the KV-cache dtype, the
+state dtypes, the heads a rank holds), so a change of any of them misses instead of serving
+bytes that mean something else.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from vllm.v1.kv_cache_interface import (
 from hybridkv.config import CacheConfig, load_config
 from hybridkv.core.errors import HybridKVError
 from hybridkv.core.identity import checkpoint_revision, software_versions
-from hybridkv.core.layout import Group, GroupKind, Layout
+from hybridkv.core.layout import Group, GroupKind, Layout, TensorSpec
 
 # kv_connector_extra_config keys that belong to the integration, not to CacheConfig.
 INTEGRATION_KEYS = ("stats_file", "async_promotion")
@@ -41,11 +47,7 @@ def group_kind(spec, prefix_cacheable: bool) -> GroupKind:
 def layout_from_vllm(vllm_config, kv_cache_config: KVCacheConfig) -> Layout:
     """Refuses, with the fix, any engine whose pages cannot line up with hybridkv's blocks."""
     block = vllm_config.cache_config.block_size
-    parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size * parallel.pipeline_parallel_size != 1:
-        raise HybridKVError(
-            "HybridKVConnector supports one worker (tensor_parallel_size=1, "
-            "pipeline_parallel_size=1) in this version; run one server per GPU")
+    tp = supported_tensor_parallel_size(vllm_config.parallel_config)
     cacheable = set(kv_cache_config.prefix_cacheable_group_ids)
     groups = []
     for gid, group in enumerate(kv_cache_config.kv_cache_groups):
@@ -57,13 +59,43 @@ def layout_from_vllm(vllm_config, kv_cache_config: KVCacheConfig) -> Layout:
                 f"{spec.block_size} but the scheduler's is {block}; hybridkv stores states on "
                 "the scheduler's block grid, so set --block-size to a value all groups accept")
         window = spec.sliding_window if kind is GroupKind.SLIDING_WINDOW else None
-        page = len(group.layer_names) * spec.real_page_size_bytes
-        groups.append(Group(gid, kind, page, window, tuple(group.layer_names)))
+        page = tp * len(group.layer_names) * spec.real_page_size_bytes
+        tensors = tensor_signature(spec, vllm_config.cache_config) if kind is not GroupKind.SCRATCH else ()
+        groups.append(Group(gid, kind, page, window, tuple(group.layer_names), tensors))
     model = vllm_config.model_config
     return Layout(
         model=str(model.model), block_tokens=block, groups=tuple(groups),
         max_model_len=model.max_model_len, revision=model_revision(model), dtype=str(model.dtype),
-        tp_rank=0, tp_size=1, engine=software_versions("vllm", "torch"))
+        tp_rank=0, tp_size=tp, engine=f"{software_versions('vllm', 'torch')}, {device_type()} pages")
+
+
+def supported_tensor_parallel_size(parallel) -> int:
+    """TP ranks of one host share the scheduler's RAM regions; anything else is refused."""
+    pp = getattr(parallel, "pipeline_parallel_size", 1)
+    nodes = getattr(parallel, "nnodes", 1)
+    if pp != 1 or nodes != 1:
+        raise HybridKVError(
+            f"HybridKVConnector supports tensor parallelism on one host (pipeline_parallel_size=1, "
+            f"nnodes=1); this engine has pipeline_parallel_size={pp}, nnodes={nodes}: run one "
+            "server per pipeline or node, or leave out --kv-transfer-config")
+    return parallel.tensor_parallel_size
+
+
+def tensor_signature(spec, cache_config) -> tuple[TensorSpec, ...]:
+    """What one rank's block of a layer holds: [H, N, C] and the KV-cache dtype for attention
+    (fp8_e4m3 and fp8_e5m2 pages have the same size), each state's shape and dtype for Mamba."""
+    if isinstance(spec, MambaSpec):
+        return tuple(TensorSpec(f"state{i}", tuple(shape), str(dtype))
+                     for i, (shape, dtype) in enumerate(zip(spec.shapes, spec.dtypes, strict=True)))
+    width = spec.state_content_size_bytes // spec.dtype.itemsize
+    cache_dtype = getattr(cache_config, "cache_dtype", "auto")
+    return (TensorSpec(f"kv:{cache_dtype}", (spec.num_kv_heads, spec.block_size, width), str(spec.dtype)),)
+
+
+def device_type() -> str:
+    from vllm.platforms import current_platform
+
+    return current_platform.device_type or "unknown"
 
 
 def model_revision(model_config) -> str | None:

@@ -44,19 +44,28 @@ class StepPlan(KVConnectorMetadata):
 
 
 @dataclass
-class WorkerReport(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: which loads and stores of the step are done."""
+class RankReport:
+    """One worker's loads and stores completed (or failed) since its last report."""
 
     loaded: set[str] = field(default_factory=set)
     load_failures: set[str] = field(default_factory=set)
     stored: set[int] = field(default_factory=set)
     store_failures: set[int] = field(default_factory=set)
 
-    def aggregate(self, other: WorkerReport) -> WorkerReport:
-        """A store is done only when every worker did it."""
-        return WorkerReport(self.loaded | other.loaded, self.load_failures | other.load_failures,
-                            self.stored & other.stored,
-                            self.store_failures | other.store_failures | (self.stored ^ other.stored))
-
     def __bool__(self) -> bool:
         return bool(self.loaded or self.load_failures or self.stored or self.store_failures)
+
+
+@dataclass
+class WorkerReport(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, by TP rank. Ranks finish a copy in different steps (a GPU copy
+    completes when its event does), so vLLM's per-step merge keeps every rank's report and
+    the scheduler completes a load or store once each rank reported it."""
+
+    ranks: dict[int, RankReport] = field(default_factory=dict)
+
+    def aggregate(self, other: WorkerReport) -> WorkerReport:
+        return WorkerReport({**self.ranks, **other.ranks})
+
+    def __bool__(self) -> bool:
+        return any(self.ranks.values())

@@ -22,7 +22,7 @@ import json
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybridkv.cache import TieredCache
@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 class _Request:
     state: RequestState
     local_tokens: int
-    pinned: bool = False          # the hit's pages are pinned until the worker loaded them
+    pinned: bool = False          # the hit's pages are pinned until every worker loaded them
     loaded_tokens: int = 0
     match_ms: float = 0.0         # how long vLLM's scheduler waited for the lookup
 
@@ -50,6 +50,8 @@ class _Reservation:
     request: str
     plans: dict
     kind: PageKind
+    ranks_done: set = field(default_factory=set)
+    ok: bool = True
 
 
 @dataclass
@@ -85,6 +87,7 @@ class SchedulerSide:
         self._promoting: dict[str, list[Copy]] = {}   # allocated loads whose reads are in flight
         self._promotion_failed: set[str] = set()      # for the worker to report as failed loads
         self._abandoned: set[str] = set()             # finished while promoting: reported done
+        self._load_acks: dict[str, tuple[set, set]] = {}   # loads some ranks reported: (ranks, failed)
         self._closed = False
         self.history: deque[dict] = deque(maxlen=256)     # the last finished requests, for operators
         self._reported = {"loaded_tokens": 0, "stored_pages": 0}   # at the last stats call
@@ -241,28 +244,50 @@ class SchedulerSide:
 
     # -- worker reports ---------------------------------------------------------------------
     def on_report(self, report: WorkerReport | None) -> None:
-        if report is not None:
-            for rid in report.stored | report.store_failures:
-                res = self._reservations.pop(rid, None)
-                if res is None:
-                    continue
-                ok = rid in report.stored and rid not in report.store_failures
-                self.cache.commit(res.plans, ok)
-                if ok:
-                    pages = sum(len(p.keys) for p in res.plans.values())
-                    self.connector.stats["pages_stored"] += pages
-                    owner = self._requests.get(res.request)
-                    if owner is not None:
-                        owner.state.stored[res.kind.value] += pages
-                else:
-                    self.stats.store_failures += 1
-            for req in report.loaded | report.load_failures:
-                ctx = self._requests.get(req)
-                if ctx is not None and ctx.pinned:
-                    self._unpin(ctx)
-            self._failed_loads |= report.load_failures
-            self.stats.load_failures += len(report.load_failures)
+        """Each TP rank reports its slice of a copy, maybe in different steps. A store is
+        published once every rank wrote its slice, and abandoned (its slots freed) once every
+        rank is done with it and one failed: never a page with a missing slice, never a slot
+        freed while a rank still writes it. A hit's pages stay pinned until every rank loaded."""
+        for rank, part in (report.ranks.items() if report is not None else ()):
+            for rid in part.stored | part.store_failures:
+                self._acknowledge_store(rid, rank, rid in part.stored and rid not in part.store_failures)
+            for req in part.loaded | part.load_failures:
+                self._acknowledge_load(req, rank, req in part.load_failures)
         self.cache.poll()
+
+    def _acknowledge_store(self, rid: int, rank: int, ok: bool) -> None:
+        res = self._reservations.get(rid)
+        if res is None:
+            return
+        res.ranks_done.add(rank)
+        res.ok &= ok
+        if len(res.ranks_done) < self.layout.tp_size:
+            return
+        del self._reservations[rid]
+        self.cache.commit(res.plans, res.ok)
+        if not res.ok:
+            self.stats.store_failures += 1
+            return
+        pages = sum(len(p.keys) for p in res.plans.values())
+        self.connector.stats["pages_stored"] += pages
+        owner = self._requests.get(res.request)
+        if owner is not None:
+            owner.state.stored[res.kind.value] += pages
+
+    def _acknowledge_load(self, req: str, rank: int, failed: bool) -> None:
+        ranks, failures = self._load_acks.setdefault(req, (set(), set()))
+        ranks.add(rank)
+        if failed:
+            failures.add(rank)
+        if len(ranks) < self.layout.tp_size:
+            return
+        del self._load_acks[req]
+        if failures:                      # no hit again: vLLM recomputes the request
+            self._failed_loads.add(req)
+            self.stats.load_failures += 1
+        ctx = self._requests.get(req)
+        if ctx is not None and ctx.pinned:
+            self._unpin(ctx)
 
     def _unpin(self, ctx: _Request) -> None:
         self.connector.release(ctx.state)

@@ -1,0 +1,183 @@
+"""Copies pages between an engine's paged tensors, on any torch device, and RAM slots.
+
+A page of a group is the bytes of one engine block over every layer of the group, layer after
+layer; each layer's block in the *logical* order of its block view (the tensor with the block
+as dim 0), whatever the physical order of the engine's memory. So a page's bytes do not change
+when the engine picks another physical layout or splits blocks for its kernels; the caller
+folds those into the views. Under tensor parallelism every rank owns one byte range of each
+page (its heads, its state slice) and copies only that range.
+
+On CPU a copy is one gather or scatter per layer tensor straight between the tensors and the
+mapped region. On a GPU it is staged: the layers of a batch are gathered into a device buffer
+and moved by DMA per slot (the region is registered with CUDA), on a stream of its own that
+first waits for the engine's stream, so the copy sees every kernel queued before it.
+The engine's stream then waits only for the gather of a save (the blocks may be reused
+after it), never for the transfer to host. ``Transfer.done`` says when the host bytes (a save)
+or the blocks (a load) are complete. The staged path runs on CPU too (``staged=True``), so
+the CPU tests cover the code a GPU runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hybridkv.core.errors import HybridKVError
+from hybridkv.device.pinning import cuda_pin_hook
+from hybridkv.ram.regions import SharedRegion
+
+STAGING_BYTES = 64 << 20     # device memory a staged copy moves at a time (at least one page)
+
+
+@dataclass(frozen=True)
+class _Part:
+    view: torch.Tensor       # [num_blocks, ...] of one layer, any strides
+    offset: int              # bytes into this rank's slice of the page
+    nbytes: int              # bytes of one block of this layer
+
+
+class Transfer:
+    """A batch of copies in flight. On CPU it is complete when created."""
+
+    def __init__(self, event=None):
+        self._event = event
+
+    def done(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+
+
+def _row_bytes(view: torch.Tensor) -> int:
+    return view[0].numel() * view.element_size()
+
+
+class PageCopier:
+    """Block <-> slot copies of one rank's slice of each group's pages.
+
+    ``views``: per group, one tensor per layer with the block as dim 0 (see the module doc).
+    ``page_bytes``: each group's full page, ``ranks`` equal slices of it; this copier owns
+    slice ``rank``. ``staged`` defaults to the device's path (see the module doc).
+    """
+
+    def __init__(self, views: Mapping[int, Sequence[torch.Tensor]], page_bytes: Mapping[int, int],
+                 rank: int = 0, ranks: int = 1, staged: bool | None = None,
+                 staging_bytes: int = STAGING_BYTES):
+        self.parts: dict[int, list[_Part]] = {}
+        self.slice_bytes: dict[int, int] = {}
+        devices = set()
+        for gid, layer_views in views.items():
+            parts, offset = [], 0
+            for view in layer_views:
+                if view.stride(-1) != 1 and view.shape[-1] > 1:
+                    raise HybridKVError(f"group {gid}: a layer tensor's last dimension is not contiguous "
+                                        f"(strides {tuple(view.stride())}); this cache layout is not supported")
+                nbytes = _row_bytes(view)
+                parts.append(_Part(view, offset, nbytes))
+                offset += nbytes
+                devices.add(view.device)
+            self.parts[gid], self.slice_bytes[gid] = parts, offset
+        if len(devices) > 1:
+            raise HybridKVError(f"the KV tensors live on several devices ({sorted(map(str, devices))}); "
+                                "one copier serves one device")
+        self.device = devices.pop() if devices else torch.device("cpu")
+        self.page_bytes = dict(page_bytes)
+        self.rank = rank
+        for gid, nbytes in self.slice_bytes.items():
+            if nbytes * ranks != self.page_bytes[gid]:
+                raise HybridKVError(f"group {gid}: rank {rank} holds {nbytes} B per block, which is not "
+                                    f"1/{ranks} of the {self.page_bytes[gid]} B page")
+        self.cuda = self.device.type == "cuda"
+        self.staged = self.cuda if staged is None else staged
+        if self.cuda and not self.staged:
+            raise HybridKVError("copies on a GPU are staged (staged=False is for CPU tensors only)")
+        # each process that copies to a GPU registers its own mapping of a region
+        self.pin_hook = cuda_pin_hook() if self.cuda else None
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.staging_bytes = max([staging_bytes, *self.slice_bytes.values()])
+        self._staging: torch.Tensor | None = None
+
+    # -- public ---------------------------------------------------------------------------
+    def save(self, group: int, region: SharedRegion, slots: Sequence[int], blocks: Sequence[int]) -> Transfer:
+        """Blocks -> slots, after everything the engine queued so far (the forward)."""
+        host = self._host(group, region)
+        if not self.staged:
+            ids, where = self._ids(blocks), torch.as_tensor(slots, dtype=torch.long)
+            for p in self.parts[group]:
+                host[where, p.offset:p.offset + p.nbytes] = self._gather(p, ids)
+            return Transfer()
+        return self._staged(group, host, slots, blocks, save=True)
+
+    def load(self, group: int, region: SharedRegion, slots: Sequence[int], blocks: Sequence[int]) -> Transfer:
+        """Slots -> blocks, after everything the engine queued so far (its zeroing of them)."""
+        host = self._host(group, region)
+        if not self.staged:
+            ids, where = self._ids(blocks), torch.as_tensor(slots, dtype=torch.long)
+            for p in self.parts[group]:
+                self._scatter(p, ids, host[where, p.offset:p.offset + p.nbytes])
+            return Transfer()
+        return self._staged(group, host, slots, blocks, save=False)
+
+    # -- the two paths --------------------------------------------------------------------
+    def _host(self, group: int, region: SharedRegion) -> torch.Tensor:
+        """This rank's columns of the region's rows."""
+        if region.page_bytes != self.page_bytes[group]:
+            raise HybridKVError(f"RAM region of group {group} has {region.page_bytes} B pages but the engine's "
+                                f"page is {self.page_bytes[group]} B; the processes disagree on the layout")
+        width = self.slice_bytes[group]
+        return torch.from_numpy(region.array)[:, self.rank * width:(self.rank + 1) * width]
+
+    def _ids(self, blocks: Sequence[int]) -> torch.Tensor:
+        return torch.as_tensor(blocks, dtype=torch.long).to(self.device, non_blocking=True)
+
+    @staticmethod
+    def _gather(p: _Part, ids: torch.Tensor) -> torch.Tensor:
+        data = p.view.index_select(0, ids)
+        return data.reshape(len(ids), -1).view(torch.uint8)
+
+    @staticmethod
+    def _scatter(p: _Part, ids: torch.Tensor, raw: torch.Tensor) -> None:
+        data = raw.contiguous().view(p.view.dtype).reshape(len(ids), *p.view.shape[1:])
+        p.view.index_copy_(0, ids, data)
+
+    def _staged(self, group: int, host: torch.Tensor, slots, blocks, save: bool) -> Transfer:
+        width = self.slice_bytes[group]
+        rows = max(1, self.staging_bytes // width)
+        if self._staging is None:
+            self._staging = torch.empty(self.staging_bytes, dtype=torch.uint8, device=self.device)
+        staging = self._staging[: rows * width].view(rows, width)
+        engine = torch.cuda.current_stream(self.device) if self.cuda else None
+        with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
+            if self.cuda:
+                self.stream.wait_stream(engine)
+            read = None
+            for start in range(0, len(slots), rows):
+                where, ids = slots[start:start + rows], self._ids(blocks[start:start + rows])
+                if save:
+                    for p in self.parts[group]:
+                        staging[:len(ids), p.offset:p.offset + p.nbytes] = self._gather(p, ids)
+                    read = self._record()          # the blocks are read up to here
+                for i, slot in enumerate(where):
+                    if save:
+                        host[slot].copy_(staging[i], non_blocking=self.cuda)
+                    else:
+                        staging[i].copy_(host[slot], non_blocking=self.cuda)
+                if not save:
+                    for p in self.parts[group]:
+                        self._scatter(p, ids, staging[:len(ids), p.offset:p.offset + p.nbytes])
+            done = self._record()
+        if read is not None:         # the engine may overwrite the blocks once they are read
+            engine.wait_event(read)
+        return Transfer(done)
+
+    def _record(self):
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
