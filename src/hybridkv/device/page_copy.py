@@ -53,6 +53,18 @@ class Transfer:
             self._event.synchronize()
 
 
+def fold_kernel_blocks(tensor: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """An attention cache ``[B*r, H, Nk, C]`` whose engine splits each block into ``r`` kernel
+    blocks, seen as ``[B, H, r, Nk, C]``: one block per row, each head's tokens in order."""
+    rows = tensor.shape[0]
+    if rows == num_blocks:
+        return tensor
+    if rows % num_blocks or tensor.dim() != 4:
+        raise HybridKVError(f"a cache tensor of shape {tuple(tensor.shape)} is neither {num_blocks} blocks "
+                            "nor a whole number of kernel blocks per block")
+    return tensor.unflatten(0, (num_blocks, rows // num_blocks)).movedim(1, 2)
+
+
 def _row_bytes(view: torch.Tensor) -> int:
     return view[0].numel() * view.element_size()
 

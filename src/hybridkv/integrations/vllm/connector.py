@@ -116,8 +116,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             scheduled[rid] = start
         counts = scheduler_output.num_scheduled_tokens
         spans = {rid: (start, start + counts.get(rid, 0)) for rid, start in scheduled.items()}
-        manager = self._kv_cache_manager
-        return self.scheduler.plan_step(spans, lambda rid: manager.get_blocks(rid).get_block_ids())
+        block_state = scheduler_output.kv_connector_block_state
+        return self.scheduler.plan_step(spans, block_state.get_block_ids, block_state.boundary_state_offloads)
 
     def reset_cache(self) -> bool:
         return self.scheduler.reset()

@@ -192,15 +192,22 @@ class SchedulerSide:
         return dict(ctx.state.token_sources) if ctx is not None and ctx.loaded_tokens else {}
 
     # -- stores -----------------------------------------------------------------------------
-    def plan_step(self, scheduled: dict[str, tuple[int, int]], block_ids_of) -> StepPlan:
-        """The step's loads and stores; ``scheduled`` maps request -> (start, end) tokens."""
+    def plan_step(self, scheduled: dict[str, tuple[int, int]], block_ids_of,
+                  handoffs: dict[str, list[tuple[int, int, int]]]) -> StepPlan:
+        """The step's loads and stores. ``scheduled`` maps request -> (start, end) tokens,
+        ``block_ids_of`` a request to its block ids per group, ``handoffs`` a request to the
+        recurrent states vLLM hands off this step: (group, block id, boundary tokens)."""
         self._collect_promotions()
         plan = StepPlan(self.regions, self._loads, {}, self._promotion_failed, self._abandoned)
         self._loads, self._promotion_failed, self._abandoned = {}, set(), set()
         for rid, (start, end) in scheduled.items():
             ctx = self._requests.get(rid)
-            if ctx is not None and end > start:
-                self._plan_stores(ctx, start, end, block_ids_of(rid), plan)
+            if ctx is not None and end > start and self.connector.token_groups:
+                self._plan_block_stores(ctx, start, end, block_ids_of(rid), plan)
+        for rid, states in handoffs.items():
+            ctx = self._requests.get(rid)
+            if ctx is not None:
+                self._plan_state_stores(ctx, states, plan)
         return plan
 
     def _collect_promotions(self) -> None:
@@ -217,13 +224,25 @@ class SchedulerSide:
             self._failed_loads.add(rid)
             self.stats.promotion_failures += 1
 
-    def _plan_stores(self, ctx: _Request, start: int, end: int, block_ids, plan: StepPlan) -> None:
+    def _plan_block_stores(self, ctx: _Request, start: int, end: int, block_ids, plan: StepPlan) -> None:
         state, conn, B = ctx.state, self.connector, self.B
-        for j in range(start // B, min(end // B, len(state.keys)) if conn.token_groups else 0):
+        for j in range(start // B, min(end // B, len(state.keys))):
             if conn.wants_block(state, j):
                 self._reserve(ctx, PageKind.ATTENTION, conn.token_groups, j, block_ids, plan)
-        if end % B == 0 and conn.wants_state(state, end):
-            self._reserve(ctx, PageKind.STATE, conn.state_groups, end // B - 1, block_ids, plan)
+
+    def _plan_state_stores(self, ctx: _Request, states: list[tuple[int, int, int]], plan: StepPlan) -> None:
+        """Only states vLLM handed off are stored, from the exact blocks it named: a block
+        of a state group holds a valid state only where vLLM says so."""
+        by_boundary: dict[int, dict[int, int]] = {}
+        for gid, block_id, boundary in states:
+            by_boundary.setdefault(boundary, {})[gid] = block_id
+        for boundary, blocks in sorted(by_boundary.items()):
+            if boundary % self.B or not 0 < boundary <= len(ctx.state.keys) * self.B:
+                continue                  # not on this cache's key grid
+            if set(self.connector.state_groups) <= blocks.keys() and self.connector.wants_state(ctx.state, boundary):
+                block_ids = {gid: {boundary // self.B - 1: block} for gid, block in blocks.items()}
+                self._reserve(ctx, PageKind.STATE, self.connector.state_groups, boundary // self.B - 1,
+                              block_ids, plan)
 
     def _reserve(self, ctx: _Request, kind: PageKind, groups: list[int], block: int, block_ids,
                  plan: StepPlan) -> None:

@@ -21,6 +21,7 @@ import torch
 
 from hybridkv.core.errors import HybridKVError
 from hybridkv.core.layout import Layout
+from hybridkv.device.page_copy import fold_kernel_blocks
 
 KNOWN_LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
 ALIASES = {"NHD": "LBNHC", "HND": "LBHNC"}
@@ -46,14 +47,10 @@ def block_view(tensor, num_blocks: int, layer: str) -> torch.Tensor:
     if isinstance(tensor, (list, tuple)) or not isinstance(tensor, torch.Tensor) or tensor.dim() < 2:
         raise HybridKVError(f"vLLM registered {type(tensor).__name__} for layer {layer}, not a per-layer "
                             "[B, H, N, C] view; this vLLM version's cache format is not supported")
-    rows = tensor.shape[0]
-    if rows == num_blocks:
-        return tensor
-    if rows % num_blocks or tensor.dim() != 4:
-        raise HybridKVError(f"vLLM's tensor of layer {layer} has shape {tuple(tensor.shape)}: dim 0 is not "
-                            f"{num_blocks} blocks nor a whole number of kernel blocks per block")
-    # [B*r, H, Nk, C] -> [B, r, H, Nk, C] -> [B, H, r, Nk, C]: tokens in order within each head
-    return tensor.unflatten(0, (num_blocks, rows // num_blocks)).movedim(1, 2)
+    try:
+        return fold_kernel_blocks(tensor, num_blocks)
+    except HybridKVError as e:
+        raise HybridKVError(f"vLLM's tensor of layer {layer}: {e}") from None
 
 
 def block_views(layout: Layout, kv_caches: dict, num_blocks: int) -> dict[int, list[torch.Tensor]]:
