@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from hybridkv.core.errors import HybridKVError
+from hybridkv.integrations.vllm.messages import RankReport, WorkerReport
 from hybridkv.integrations.vllm.scheduler import SchedulerSide
 from hybridkv.integrations.vllm.worker import WorkerSide
 
@@ -62,7 +63,7 @@ def test_a_load_goes_to_the_worker_once_its_reads_landed(stored):
     side = scheduler(tmp_path)
     assert side.async_promotion and lookup_and_allocate(side) == 3 * B
     side.cache.drain()                       # the reads have landed (a later step)
-    plan = side.plan_step({}, None)
+    plan = side.plan_step({}, None, {})
     (attention,) = [c for c in plan.loads["r"] if c.group == 1]
     assert attention.blocks == BLOCK_IDS[1]
     region = side.cache.regions[1]
@@ -77,7 +78,7 @@ def test_a_read_that_fails_fails_the_load_and_the_request_gets_no_hit_again(stor
     side = scheduler(tmp_path)
     assert lookup_and_allocate(side) == 3 * B      # the damage shows only when the page is read
     side.cache.drain()
-    plan = side.plan_step({}, None)
+    plan = side.plan_step({}, None, {})
     assert plan.failed_loads == {"r"} and not plan.loads
     assert side.stats.promotion_failures == 1
     worker = WorkerSide(*vllm_objects(block=B))
@@ -96,7 +97,7 @@ def test_a_request_aborted_while_its_reads_are_in_flight_is_reported_so_vllm_fre
     side = scheduler(tmp_path)
     lookup_and_allocate(side)
     side.finish("r")                           # the abort, before any step planned the load
-    plan = side.plan_step({}, None)
+    plan = side.plan_step({}, None, {})
     assert plan.abandoned_loads == {"r"} and not plan.loads and not plan.failed_loads
     worker = WorkerSide(*vllm_objects(block=B))
     worker.load(plan)
@@ -112,10 +113,86 @@ def test_under_vllms_default_policy_the_reads_finish_inside_the_lookup(stored):
     assert not side.async_promotion
     lookup_and_allocate(side)
     assert side.cache.stats()["promotions_in_flight"] == 0
-    assert set(side.plan_step({}, None).loads) == {"r"}
+    assert set(side.plan_step({}, None, {}).loads) == {"r"}
     side.close()
     forced = scheduler(tmp_path, policy="fail", async_promotion=True)
     assert forced.async_promotion
     forced.close()
     with pytest.raises(HybridKVError, match='async_promotion=.yes. is not valid; use true, false or "auto"'):
         scheduler(tmp_path, async_promotion="yes")
+
+
+def fresh_scheduler(tmp_path, tp=1) -> SchedulerSide:
+    config, kv = vllm_objects(block=B, tp=tp)
+    config.kv_transfer_config = SimpleNamespace(kv_load_failure_policy="fail")
+    return SchedulerSide(config, kv, {"ram_dir": str(tmp_path), "ram_bytes": "8MiB"})
+
+
+def state_copies(plan):
+    return [c for cs in plan.stores.values() for c in cs if c.group == 0]
+
+
+def test_states_are_stored_only_where_vllm_hands_them_off_from_the_block_it_names(tmp_path):
+    side = fresh_scheduler(tmp_path)
+    side.match(request("w"), 0)
+    span = {"w": (0, 3 * B)}                         # a chunk that ends on the block grid at 3B
+    plan = side.plan_step(span, lambda rid: BLOCK_IDS, {})
+    assert len(plan.stores) == 3 and not state_copies(plan)      # attention blocks, no state
+    handoff = {"w": [(0, 42, 3 * B), (0, 43, 3 * B - 5)]}       # 3B - 5 is off this cache's grid
+    plan = side.plan_step({}, lambda rid: BLOCK_IDS, handoff)
+    (copy,) = state_copies(plan)
+    assert copy.blocks == [42]                       # the block vLLM named, not the table's 9
+    side.close()
+
+
+def report(rank, **sets):
+    return WorkerReport({rank: RankReport(**sets)})
+
+
+def hit_tokens(side) -> int:
+    probe = side.connector.begin("probe", PROMPT)
+    side.connector.finish(probe)
+    return probe.hit.tokens
+
+
+def test_under_tensor_parallelism_a_page_is_published_only_when_every_rank_wrote_its_slice(tmp_path):
+    side = fresh_scheduler(tmp_path, tp=2)
+    assert side.layout.tp_size == 2 and side.layout.group(1).page_bytes == 2 * 2 * 128 * 2 * 32 * 4
+    side.match(request("w"), 0)
+    plan = side.plan_step({"w": (0, 3 * B + 1)}, lambda rid: BLOCK_IDS, {"w": [(0, 9, 3 * B)]})
+    stores = set(plan.stores)
+    assert len(stores) == 4
+    side.on_report(report(1, stored=stores))
+    assert hit_tokens(side) == 0                     # rank 0 has not written its slices yet
+    side.on_report(report(0, stored=stores))
+    assert hit_tokens(side) == 3 * B
+    side.close()
+
+
+def test_under_tensor_parallelism_one_rank_failing_a_store_fails_the_page(tmp_path):
+    side = fresh_scheduler(tmp_path, tp=2)
+    side.match(request("w"), 0)
+    plan = side.plan_step({"w": (0, 3 * B + 1)}, lambda rid: BLOCK_IDS, {"w": [(0, 9, 3 * B)]})
+    side.on_report(report(0, store_failures=set(plan.stores)))
+    assert side.stats.store_failures == 0            # rank 1 may still be writing: slots held
+    side.on_report(report(1, stored=set(plan.stores)))
+    assert hit_tokens(side) == 0 and side.stats.store_failures == 4
+    side.close()
+
+
+def test_under_tensor_parallelism_a_hit_stays_pinned_until_every_rank_loaded_it(tmp_path):
+    side = fresh_scheduler(tmp_path, tp=2)
+    side.match(request("w"), 0)
+    plan = side.plan_step({"w": (0, 3 * B + 1)}, lambda rid: BLOCK_IDS, {"w": [(0, 9, 3 * B)]})
+    side.on_report(report(0, stored=set(plan.stores)).aggregate(report(1, stored=set(plan.stores))))
+    side.finish("w")
+    assert side.match(request("r"), 0) == 3 * B
+    side.allocated(request("r"), BLOCK_IDS, 3 * B)
+    side.plan_step({}, None, {})
+    pinned = lambda: sum(g["used"] - g["evictable"] for g in side.cache.stats()["groups"].values())  # noqa: E731
+    assert pinned() > 0
+    side.on_report(report(0, loaded={"r"}))
+    assert pinned() > 0                              # rank 1 may still be copying out of the slots
+    side.on_report(report(1, loaded={"r"}))
+    assert pinned() == 0
+    side.close()
