@@ -67,30 +67,32 @@ def run_engine(model_dir: Path, family: str, connector: dict | None, requests: l
     return result
 
 
-def corrupt_stored_page(store: Path, group: int, key: bytes) -> None:
-    """A foreign byte in the middle of a stored page's payload."""
+def corrupt_stored_page(store: Path, group: int, key: bytes, rank: int = 0, ranks: int = 1) -> None:
+    """A foreign byte in the middle of a stored page's payload, in the slice of TP rank
+    ``rank`` of ``ranks`` (a page holds every rank's slice, rank after rank)."""
     bad, at, length = stored_payload(store, group, key)
     raw = bytearray(bad.read_bytes())
-    raw[at + length // 2] ^= 0xFF
+    width = length // ranks
+    raw[at + rank * width + width // 2] ^= 0xFF
     bad.write_bytes(bytes(raw))
 
 
 def stored_payload(store: Path, group: int, key: bytes) -> tuple[Path, int, int]:
-    """The file holding a stored page (its own file or a pack), and where its payload lies
-    in it: (path, offset, length)."""
-    (layout_dir,) = [p for p in store.iterdir() if p.is_dir()]
-    own = layout_dir / f"g{group}" / key.hex()[:2] / f"{key.hex()}.blk"
-    if own.exists():
-        return own, pagefile.HEADER_BYTES, own.stat().st_size - pagefile.HEADER_BYTES
-    for pack in (layout_dir / "packs").glob(f"*{packfile.SUFFIX}"):
-        fd = os.open(pack, os.O_RDONLY)
-        try:
-            table = packfile.read_table(fd)
-            for i in range(len(table)):
-                if (int(table["group"][i]), table["key"][i, : table["key_len"][i]].tobytes()) == (group, key):
-                    return pack, int(table["offset"][i]), int(table["length"][i])
-        finally:
-            os.close(fd)
+    """The file holding a stored page (its own file or a pack) in any namespace of the store,
+    and where its payload lies in it: (path, offset, length)."""
+    for layout_dir in sorted(p for p in store.iterdir() if p.is_dir()):
+        own = layout_dir / f"g{group}" / key.hex()[:2] / f"{key.hex()}.blk"
+        if own.exists():
+            return own, pagefile.HEADER_BYTES, own.stat().st_size - pagefile.HEADER_BYTES
+        for pack in (layout_dir / "packs").glob(f"*{packfile.SUFFIX}"):
+            fd = os.open(pack, os.O_RDONLY)
+            try:
+                table = packfile.read_table(fd)
+                for i in range(len(table)):
+                    if (int(table["group"][i]), table["key"][i, : table["key_len"][i]].tobytes()) == (group, key):
+                        return pack, int(table["offset"][i]), int(table["length"][i])
+            finally:
+                os.close(fd)
     raise FileNotFoundError(f"page {key.hex()} of group {group} is not in {store}")
 
 

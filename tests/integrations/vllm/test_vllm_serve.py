@@ -1,6 +1,7 @@
-"""``vllm serve`` with the connector, queried with the openai client, restarted, queried
-again: the restart restores the prompt from disk (the second server reads it in the
-background, as the README runs it) and the completion is identical."""
+"""``vllm serve --tensor-parallel-size 2`` with the connector, queried with the openai client,
+restarted, queried again: the restart restores the prompt from disk (the second server reads
+it in the background, as the README runs it; each rank loads its slice of every page) and the
+completion is identical."""
 
 import json
 import os
@@ -19,6 +20,7 @@ from engines import engine_env, free_port, tokens
 
 FAMILY = "lfm2"
 PROMPT = tokens(21, 2048)
+TP = 2
 START_TIMEOUT_S = 400
 
 
@@ -36,12 +38,13 @@ class Server:
              "--served-model-name", "tiny", "--port", str(self.port), "--host", "127.0.0.1",
              "--enforce-eager", "--skip-tokenizer-init", "--enable-prefix-caching",
              "--max-model-len", "4096", "--enable-prompt-tokens-details",
+             "--tensor-parallel-size", str(TP), "--distributed-executor-backend", "mp",
              # vLLM kills the engine at once on a stop by default (0 s); waiting lets the
              # connector drain the writes still in flight (docs/vllm.md)
              "--shutdown-timeout", "30",
              "--kv-transfer-config", json.dumps(config)],
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-            env=engine_env())
+            env=engine_env(tp=TP))
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"vllm serve exited; see {log_path}"
