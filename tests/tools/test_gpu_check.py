@@ -12,17 +12,21 @@ def run(*args):
 
 
 def test_cpu_dry_run_passes_every_round_trip_and_reports_ceilings():
-    proc = run("--device", "cpu", "--pages", "8", "--repeats", "1")
+    proc = run("--device", "cpu", "--pages", "8", "--repeats", "1", "--engine-tokens", "256")
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout)
     assert summary["ok"] and summary["device"] == "cpu"
     assert len(summary["round_trips"]) == 9 and all(summary["round_trips"].values())
     for row in summary["bandwidth"]:
         assert row["pages"] == 8 and row["save_GBps"] > 0 and row["ceiling_d2h_GBps"] > 0
+    (restore,) = summary["engine"]
+    assert restore["prompt_tokens"] == 256 and restore["hit_tokens"] == 192
+    assert restore["identical"] and restore["loaded_from_disk"] and restore["cold_ttft_ms"] > 0
 
 
 def test_bad_flags_exit_2_with_one_line():
-    for args, fix in ((("--device", "cuda:7"), "use --device cpu"), (("--pages", "0"), "at least 1")):
+    for args, fix in ((("--device", "cuda:7"), "use --device cpu"), (("--pages", "0"), "at least 1"),
+                      (("--engine-tokens", "4k"), "comma-separated list of integers")):
         proc = run(*args)
         last = proc.stderr.strip().splitlines()[-1]
         assert proc.returncode == 2 and "error:" in last and fix in last, proc.stderr

@@ -48,7 +48,7 @@ class GenerationResult:
         """sha256 of every logit produced: equal digests = bit-identical outputs, across processes."""
         h = hashlib.sha256()
         for row in self.logits:
-            h.update(row.float().numpy().tobytes())
+            h.update(row.float().cpu().numpy().tobytes())
         return h.hexdigest()[:32]
 
     def to_dict(self) -> dict:
@@ -65,12 +65,18 @@ class Engine:
     """
 
     def __init__(self, model: str = "tiny-hybrid", config: CacheConfig | None = None,
-                 use_cache: bool = True, dtype: str = "float32"):
+                 use_cache: bool = True, dtype: str = "float32", device: str = "cpu"):
         if dtype not in DTYPES:
             raise HybridKVError(f"dtype {dtype!r} is not supported; use float32 or bfloat16")
+        try:
+            self.device = torch.device(device)
+            torch.empty(0, device=self.device)
+        except (RuntimeError, AssertionError) as e:
+            raise HybridKVError(f"device {device!r} is not usable here ({e}); use cpu") from None
         self.config = config or CacheConfig()
         self.model_name = model if model in BUILTINS else Path(model).name
         self.model, tokenizer = load_model(model, DTYPES[dtype])
+        self.model.to(self.device)
         self.tokenizer = tokenizer or ByteTokenizer()
         revision = (weights_digest(self.model) if model in BUILTINS
                     else checkpoint_revision(model))
@@ -138,7 +144,7 @@ class Engine:
         conn = self.connector
         start, cache, restored_bytes = 0, None, 0
         if req is not None and req.hit_tokens:
-            restored = RestoredCache(self.adapter, req.hit_tokens // self.adapter.B)
+            restored = RestoredCache(self.adapter, req.hit_tokens // self.adapter.B, self.device)
             views = conn.load(req, on_pages=restored.add)   # copied as the reads land
             if views is not None:
                 state = views[STATE_GROUP][0] if STATE_GROUP in views else None
@@ -156,7 +162,8 @@ class Engine:
         out = [token]
         position = len(ids)
         for _ in range(max_new_tokens - 1):
-            step = self.model(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[position]]),
+            step = self.model(input_ids=torch.tensor([[token]], device=self.device),
+                              position_ids=torch.tensor([[position]], device=self.device),
                               cache=cache, use_cache=True, logits_to_keep=1)
             logits = step.logits[0, -1].float()
             result_logits.append(logits)
@@ -174,11 +181,11 @@ class Engine:
 
     def _prefill(self, ids: list[int], start: int, cache, req) -> torch.Tensor:
         B, conn, n = self.adapter.B, self.connector, len(ids)
-        tokens = torch.tensor([ids])
+        tokens = torch.tensor([ids], device=self.device)
         logits = None
         for s in range(start, n, B):
             e = min(s + B, n)
-            out = self.model(input_ids=tokens[:, s:e], position_ids=torch.arange(s, e)[None],
+            out = self.model(input_ids=tokens[:, s:e], position_ids=torch.arange(s, e, device=self.device)[None],
                              cache=cache, use_cache=True, logits_to_keep=1)
             logits = out.logits[0, -1].float()
             if req is not None and e % B == 0:

@@ -124,10 +124,12 @@ class HFCacheAdapter:
 class RestoredCache:
     """A restore's K/V, filled as pages reach RAM (``Connector.load``'s ``on_pages``): each
     page is copied once, from its slot straight into the final [1, heads, blocks*B, dim]
-    tensor of every attention part, while later pages are still being read."""
+    tensor of every attention part, while later pages are still being read. On a GPU those
+    tensors are host memory and move to the device in one copy each when the load is built."""
 
-    def __init__(self, adapter: HFCacheAdapter, blocks: int):
+    def __init__(self, adapter: HFCacheAdapter, blocks: int, device: torch.device | None = None):
         self.adapter, self.blocks = adapter, blocks
+        self.device = device or torch.device("cpu")
         self._parts: list[tuple[Part, torch.Tensor, np.ndarray]] = []
         for p in adapter.attention_parts:
             _, heads, block, dim = p.shape
@@ -139,7 +141,7 @@ class RestoredCache:
         for layer, kv in self._by_layer(blocks).items():
             # transformers concatenates onto what a layer holds (a second copy): initialize
             # the layer through its own update with no tokens, then hand it our tensors
-            self.cache.update(kv["k"][:, :, :0], kv["v"][:, :, :0], layer)
+            self.cache.update(kv["k"][:, :, :0].to(self.device), kv["v"][:, :, :0].to(self.device), layer)
             self.cache.layers[layer].keys, self.cache.layers[layer].values = kv["k"], kv["v"]
 
     def add(self, group: int, blocks: list[int], pages: np.ndarray) -> None:
@@ -167,13 +169,14 @@ class RestoredCache:
         """The model's cache object holding the first ``blocks`` blocks (a load that shrank
         its hit returns fewer than were allocated) and the state at their end."""
         adapter, cache = self.adapter, self.cache
-        if blocks < self.blocks:
+        if blocks < self.blocks or self.device.type != "cpu":
             for layer, kv in self._by_layer(blocks).items():
-                cache.layers[layer].keys, cache.layers[layer].values = kv["k"], kv["v"]
+                cache.layers[layer].keys = kv["k"].to(self.device)
+                cache.layers[layer].values = kv["v"].to(self.device)
         if state_page is not None and adapter.state_parts:
             page = torch.from_numpy(np.asarray(state_page))
             for p in adapter.state_parts:     # conv first: it marks the layer as having state
-                tensor = page[p.offset:p.offset + p.nbytes].view(p.dtype).view(p.shape).clone()
+                tensor = page[p.offset:p.offset + p.nbytes].view(p.dtype).view(p.shape).to(self.device, copy=True)
                 if p.name == "conv":
                     cache.update_conv_state(tensor, p.layer, conv_kernel_size=p.shape[-1])
                 else:

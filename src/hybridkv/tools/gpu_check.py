@@ -1,6 +1,7 @@
-"""The device check: the page copier on one device, in every cache layout vLLM uses.
+"""The device check: the page copier on one device, in every cache layout vLLM uses, and
+the reference engine restoring from RAM and disk on that device.
 
-    python -m hybridkv.tools.gpu_check [--device cuda] [--pages 256] [--json]
+    python -m hybridkv.tools.gpu_check [--device cuda] [--pages 256] [--engine-tokens 4096,16384,32768]
 
 For each physical layout (LBHNC, LBNHC, LHBNC, BLHNC, BLNHC, BHLNC), a kernel split, a padded
 state cache and two tensor-parallel ranks, it builds paged caches strided as vLLM builds them,
@@ -8,8 +9,11 @@ saves pages into a shared RAM region (registered with CUDA on a GPU), loads them
 cache of another layout and checks every block bit for bit. It then times saves and loads of
 ``--pages`` pages against the ceiling of the same bytes: one torch copy between a contiguous
 device tensor and pinned host memory. It prints one JSON summary; exit status 1 if any round
-trip differs. ``--device cpu`` runs the same checks on CPU tensors (the test suite does, so the
-check cannot rot). Needs torch and numpy only: no vLLM, no network.
+trip differs. Then the reference engine (``--model``, a built-in tiny hybrid) serves each
+``--engine-tokens`` prompt cold, from RAM, and from disk in a fresh engine (a new RAM tier on
+the same store): time to first token of each, and whether every logit is bit-identical to cold.
+``--device cpu`` runs the same checks on CPU tensors (the test suite does, with small sizes, so
+the check cannot rot). Needs torch, numpy and transformers: no vLLM, no network.
 """
 
 from __future__ import annotations
@@ -158,7 +162,40 @@ def bandwidth(layout: str, device: torch.device, directory: Path, pages: int, re
             "save_vs_ceiling": round(d2h / save, 3), "load_vs_ceiling": round(h2d / load, 3)}
 
 
-def run(device: torch.device, pages: int, repeats: int) -> dict:
+def engine_restores(device: torch.device, lengths: list[int], model: str, repeats: int) -> list[dict]:
+    """Per prompt length: cold, RAM and fresh-engine disk TTFT (medians) and bit-identity."""
+    import numpy as np
+
+    from hybridkv.config import CacheConfig
+    from hybridkv.engine.engine import Engine
+
+    rows = []
+    for n in lengths:
+        ids = np.random.default_rng(n).integers(3, 259, n).tolist()
+        with tempfile.TemporaryDirectory(prefix="hybridkv-gpu-check-") as store:
+            config = CacheConfig(block_tokens=64, store=store, ram_bytes=max(64 << 20, n * 8192),
+                                 reference_tokens=n)
+            with Engine(model, config, use_cache=False, device=str(device)) as cold_engine:
+                cold_engine.generate(ids[:64], 1)                  # warm-up
+                colds = [cold_engine.generate(ids, 4) for _ in range(repeats)]
+            with Engine(model, config, device=str(device)) as engine:
+                engine.generate(ids, 4)
+                rams = [engine.generate(ids, 4) for _ in range(repeats)]
+            disks = []
+            for _ in range(repeats):
+                with Engine(model, config, device=str(device)) as engine:
+                    disks.append(engine.generate(ids, 4))
+        ms = lambda results: round(1e3 * statistics.median(r.ttft_s for r in results), 2)  # noqa: E731
+        digest = colds[0].logits_digest
+        rows.append({"prompt_tokens": n, "hit_tokens": rams[0].hit_tokens,
+                     "cold_ttft_ms": ms(colds), "ram_ttft_ms": ms(rams), "disk_ttft_ms": ms(disks),
+                     "ram_speedup": round(ms(colds) / ms(rams), 2), "disk_speedup": round(ms(colds) / ms(disks), 2),
+                     "loaded_from_disk": disks[0].loaded_pages.get("fs", 0) > 0,
+                     "identical": all(r.logits_digest == digest for r in colds + rams + disks)})
+    return rows
+
+
+def run(device: torch.device, pages: int, repeats: int, lengths: list[int] = (), model: str = "tiny-hybrid") -> dict:
     out: dict = {"device": str(device), "torch": torch.__version__,
                  "card": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                  "round_trips": {}}
@@ -172,7 +209,9 @@ def run(device: torch.device, pages: int, repeats: int) -> dict:
         out["round_trips"]["LBHNC 2 ranks"] = round_trip("LBHNC", "LBNHC", device, directory, ranks=2)
         out["round_trips"]["state, padded"] = state_round_trip(device, directory)
         out["bandwidth"] = [bandwidth(layout, device, directory, pages, repeats) for layout in ("LBNHC", "LBHNC")]
-    out["ok"] = all(out["round_trips"].values())
+    out["engine"] = engine_restores(device, list(lengths), model, repeats) if lengths else []
+    out["ok"] = all(out["round_trips"].values()) and all(
+        r["identical"] and r["loaded_from_disk"] for r in out["engine"])
     return out
 
 
@@ -182,7 +221,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch device (default: cuda where there is one)")
     parser.add_argument("--pages", type=int, default=256, help="pages timed per copy (1 MiB each; default 256)")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats, median reported (default 5)")
+    parser.add_argument("--engine-tokens", default="4096,16384,32768",
+                        help="prompt lengths of the engine restores, comma-separated; 0 skips them")
+    parser.add_argument("--model", default="tiny-hybrid", help="built-in model of the engine restores")
     args = parser.parse_args(argv)
+    try:
+        lengths = [int(x) for x in args.engine_tokens.split(",") if int(x) > 0]
+    except ValueError:
+        parser.error(f"--engine-tokens {args.engine_tokens!r} is not a comma-separated list of integers")
     try:
         device = torch.device(args.device)
         if device.type == "cuda" and not torch.cuda.is_available():
@@ -191,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--device {args.device}: {e}; use --device cpu for the dry run")
     if args.pages < 1 or args.repeats < 1:
         parser.error("--pages and --repeats must be at least 1")
-    result = run(device, args.pages, args.repeats)
+    result = run(device, args.pages, args.repeats, lengths, args.model)
     print(json.dumps(result, indent=1))
     return 0 if result["ok"] else 1
 
