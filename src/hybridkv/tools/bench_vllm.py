@@ -5,7 +5,11 @@ The disk restore runs twice, with the reads inside vLLM's scheduler (its default
 policy) and in the background (``kv_load_failure_policy: recompute``); for both, how long
 the scheduler waited in hybridkv's lookup, which every running request waits for too.
 
-    .venv-vllm/bin/python -m hybridkv.tools.bench_vllm [--families lfm2,qwen3_next] [--out F]
+    .venv-vllm/bin/python -m hybridkv.tools.bench_vllm [--families lfm2,qwen3_next] [--tp 1,2] [--out F]
+
+Each family runs at each tensor-parallel size of ``--tp`` with the same prompts (on vLLM's CPU
+build a TP=N engine gets one core per rank, so TP=2 rows on a 2-core machine compare the
+connector's cost, not serving speed).
 
 TTFT is the wall time of a one-token generate call (scheduling, prefill and the first
 sample); every figure is the median of ``--reps`` distinct prompts. Prints a markdown table
@@ -40,16 +44,20 @@ def _prompts(length: int, reps: int) -> list[list[int]]:
 
 
 def _engine(work: Path, name: str, model: Path, family: str, connector, requests,
-            transfer: dict | None = None) -> dict:
+            transfer: dict | None = None, tp: int = 1) -> dict:
     if connector is not None:
         connector = {**connector, "stats_file": str(work / f"{name}-stats.json")}
     job = {"model": str(model), "dtype": dtype_of(family), "connector": connector,
-           "requests": requests, "max_model_len": MAX_MODEL_LEN, "transfer": transfer or {}}
+           "requests": requests, "max_model_len": MAX_MODEL_LEN, "transfer": transfer or {},
+           "tensor_parallel_size": tp}
     path = work / f"{name}.json"
     path.write_text(json.dumps(job))
     t0 = time.perf_counter()
+    env = dict(os.environ)
+    if tp > 1:        # vLLM's CPU build binds each rank to cores of its own
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % os.cpu_count()) for i in range(tp))
     proc = subprocess.run([sys.executable, "-m", "hybridkv.tools.vllm_run", str(path)],
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=900, env=env)
     (work / f"{name}.log").write_text(proc.stdout + proc.stderr)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("HYBRIDKV_RESULT ")), None)
     if proc.returncode != 0 or line is None:
@@ -72,24 +80,26 @@ def _medians(requests: list[dict], start: int, count: int) -> dict:
     return medians
 
 
-def bench_family(family: str, work: Path, reps: int) -> dict:
-    model = save_tiny_checkpoint(family, work / "models" / family)
+def bench_family(family: str, work: Path, reps: int, tp: int = 1) -> dict:
+    model = work / "models" / family
+    if not model.exists():
+        save_tiny_checkpoint(family, model)
     prompts = {n: _prompts(n, reps) for n in LENGTHS}
     flat = [p for n in LENGTHS for p in prompts[n]]
     one = {"max_tokens": 1}
-    connector = {"store": str(work / f"store-{family}"), "ram_bytes": "1GiB"}
+    connector = {"store": str(work / f"store-{family}-tp{tp}"), "ram_bytes": "1GiB"}
     Path(connector["store"]).mkdir(parents=True, exist_ok=True)
     # A: cold (hybridkv stores), then each repeat after emptying vLLM's cache: hybridkv RAM.
     a = _engine(work, f"{family}-A", model, family, connector,
-                [{"tokens": p, **one} for p in flat] + [{"tokens": p, "reset": True, **one} for p in flat])
+                [{"tokens": p, **one} for p in flat] + [{"tokens": p, "reset": True, **one} for p in flat], tp=tp)
     # B: a new process on the same store: restore from disk, the reads inside the lookup;
     # D: the same with the reads in the background.
-    b = _engine(work, f"{family}-B", model, family, connector, [{"tokens": p, **one} for p in flat])
+    b = _engine(work, f"{family}-B", model, family, connector, [{"tokens": p, **one} for p in flat], tp=tp)
     d = _engine(work, f"{family}-D", model, family, connector, [{"tokens": p, **one} for p in flat],
-                transfer={"kv_load_failure_policy": "recompute"})
+                transfer={"kv_load_failure_policy": "recompute"}, tp=tp)
     # C: stock vLLM: cold, then the repeat from its own prefix cache (the best case).
     c = _engine(work, f"{family}-C", model, family, None,
-                [{"tokens": p, **one} for p in flat] + [{"tokens": p, **one} for p in flat])
+                [{"tokens": p, **one} for p in flat] + [{"tokens": p, **one} for p in flat], tp=tp)
     rows = []
     for i, n in enumerate(LENGTHS):
         k, total = i * reps, len(flat)
@@ -99,7 +109,7 @@ def bench_family(family: str, work: Path, reps: int) -> dict:
                                   ("hybridkv_disk", b, k), ("hybridkv_disk_async", d, k)):
             row[label] = _medians(run["requests"], start, reps) if "requests" in run else None
         rows.append(row)
-    return {"family": family, "rows": rows,
+    return {"family": family if tp == 1 else f"{family} TP={tp}", "tp": tp, "rows": rows,
             "errors": {k: r["error"] for k, r in (("A", a), ("B", b), ("C", c), ("D", d)) if "error" in r}}
 
 
@@ -143,14 +153,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hybridkv.tools.bench_vllm")
     ap.add_argument("--families", default="lfm2,qwen3_next")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--tp", default="1", help="tensor-parallel sizes, comma-separated (default 1)")
     ap.add_argument("--out", default="docs/bench_vllm.json")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="hybridkv-bench-vllm-") as tmp:
         work = Path(tmp)
         results = {"machine": {**machine(), "vllm": _vllm_version()}, "families": [], "reps": args.reps}
         for family in args.families.split(","):
-            print(f"bench_vllm: {family} (four engine processes)", file=sys.stderr, flush=True)
-            results["families"].append(bench_family(family, work, args.reps))
+            for tp in (int(x) for x in args.tp.split(",")):
+                print(f"bench_vllm: {family} at TP={tp} (four engine processes)", file=sys.stderr, flush=True)
+                results["families"].append(bench_family(family, work, args.reps, tp))
         print("bench_vllm: probing vLLM's OffloadingConnector", file=sys.stderr, flush=True)
         results["offloading"] = offloading_probe(work)
     Path(args.out).write_text(json.dumps(results, indent=1))

@@ -91,6 +91,10 @@ def test_revision_is_the_weights_identity_not_the_path(tmp_path, monkeypatch):
     assert a.revision.startswith("sha256:") and a.revision != b.revision
     hub = layout_from_vllm(*vllm_objects(model="org/model", commit="c" * 40))
     assert hub.revision == "c" * 40          # the commit "main" resolved to, not "main"
+    # each TP worker needs page sizes only: it does not hash the weights again
+    from hybridkv.integrations.vllm.worker import WorkerSide
+
+    assert WorkerSide(*vllm_objects(model=tmp_path / "a" / "ckpt")).layout.revision is None
 
 
 # vLLM splits blocks into kernel blocks only where a block is one dense page (LB** layouts)

@@ -44,8 +44,10 @@ def group_kind(spec, prefix_cacheable: bool) -> GroupKind:
     return GroupKind.SCRATCH      # a cache type hybridkv does not know is recomputed, never guessed
 
 
-def layout_from_vllm(vllm_config, kv_cache_config: KVCacheConfig) -> Layout:
-    """Refuses, with the fix, any engine whose pages cannot line up with hybridkv's blocks."""
+def layout_from_vllm(vllm_config, kv_cache_config: KVCacheConfig, identify: bool = True) -> Layout:
+    """Refuses, with the fix, any engine whose pages cannot line up with hybridkv's blocks.
+    ``identify=False`` leaves out the weights' identity: the workers need only the page
+    sizes, and hashing a local checkpoint's weights once (the scheduler) is enough."""
     block = vllm_config.cache_config.block_size
     tp = supported_tensor_parallel_size(vllm_config.parallel_config)
     cacheable = set(kv_cache_config.prefix_cacheable_group_ids)
@@ -65,7 +67,7 @@ def layout_from_vllm(vllm_config, kv_cache_config: KVCacheConfig) -> Layout:
     model = vllm_config.model_config
     return Layout(
         model=str(model.model), block_tokens=block, groups=tuple(groups),
-        max_model_len=model.max_model_len, revision=model_revision(model), dtype=str(model.dtype),
+        max_model_len=model.max_model_len, revision=model_revision(model) if identify else None, dtype=str(model.dtype),
         tp_rank=0, tp_size=tp, engine=f"{software_versions('vllm', 'torch')}, {device_type()} pages")
 
 

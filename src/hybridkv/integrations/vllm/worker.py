@@ -45,7 +45,7 @@ def tensor_parallel_rank() -> int:
 
 class WorkerSide:
     def __init__(self, vllm_config, kv_cache_config, rank: int | None = None):
-        self.layout = layout_from_vllm(vllm_config, kv_cache_config)
+        self.layout = layout_from_vllm(vllm_config, kv_cache_config, identify=False)
         self.kv_layout = resolved_layout(vllm_config, kv_cache_config)      # refuses unknown ones now
         self.rank = tensor_parallel_rank() if rank is None and self.layout.tp_size > 1 else rank or 0
         self.num_blocks = kv_cache_config.num_blocks
