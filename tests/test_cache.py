@@ -337,3 +337,20 @@ def test_arrivals_give_pinned_pages_at_once_then_each_read_as_it_lands_never_a_f
         assert all(np.array_equal(seen[(0, i + 1)], page(0, i)) for i in range(3))
         assert cache.finish_acquire(acquisition) is None
         assert cache.request_finished("a") == 0
+
+
+def test_a_write_that_raises_never_reaches_the_drain_that_waits_for_it(tmp_path, monkeypatch, caplog):
+    """drain runs inside engines' lookups when RAM is short: a broken write is logged there,
+    and the page is only not stored below RAM."""
+    config = CacheConfig(block_tokens=16, ram_bytes=1024**2, store=str(tmp_path))
+
+    def broken(self, pages):
+        raise RuntimeError("injected: the write thread broke")
+
+    monkeypatch.setattr(FilesystemTier, "write_pack", broken)
+    with TieredCache(LAYOUT, config) as cache:
+        assert cache.store({0: [(key(1), page(0, 1))], 1: [(key(1), page(1, 1))]})
+        cache.drain()
+        assert cache.pools.pool(1).refs_of(key(1)) == 0          # unpinned all the same
+        assert cache.locate(1, [key(1)]) == ["ram"]
+    assert "2 background writes failed" in caplog.text and "injected" in caplog.text

@@ -455,14 +455,18 @@ class TieredCache:
 
     def drain(self) -> None:
         """Wait for every promotion and write-through (clean shutdown, or before another
-        process reads)."""
+        process reads). It runs inside engines' lookups when RAM is short, so a write job
+        that failed is logged, never raised: the page is only not stored below RAM."""
         for promotion in set(self._promotions.values()):
             self._settle(promotion)
         for tier in self.secondaries:
             tier.flush()
-        for w in self._writes:
-            for f in w.futures:
-                f.result()
+        futures = [f for w in self._writes for f in w.futures]
+        wait(batches_of(futures))
+        failed = [exc for _, exc in outcomes(futures) if exc is not None]
+        if failed:
+            log.error("hybridkv: %d background writes failed (first: %r); those pages are not "
+                      "stored below RAM", len(failed), failed[0])
         self.poll()
 
     def forget_ram(self) -> int:

@@ -37,18 +37,20 @@ def hub_commit(path: Path) -> str | None:
     return None
 
 
-def identity_files(path: Path) -> list[Path]:
+def identity_files(path: Path, extra_files: tuple[str, ...] = ()) -> list[Path]:
+    names = IDENTITY_FILES + extra_files
     return sorted(p for p in path.iterdir()
-                  if p.is_file() and (p.name in IDENTITY_FILES or p.name.endswith(WEIGHT_SUFFIXES)))
+                  if p.is_file() and (p.name in names or p.name.endswith(WEIGHT_SUFFIXES)))
 
 
-def checkpoint_revision(path: str | Path) -> str:
-    """The checkpoint's commit hash, or ``sha256:<digest of config + weights>``."""
+def checkpoint_revision(path: str | Path, extra_files: tuple[str, ...] = ()) -> str:
+    """The checkpoint's commit hash, or ``sha256:<digest of config + weights>`` (and of
+    ``extra_files``, e.g. an adapter's own config)."""
     path = Path(path)
     commit = hub_commit(path)
     if commit:
         return commit
-    files = identity_files(path)
+    files = identity_files(path, extra_files)
     memo = _DigestMemo.load()
     to_hash = sum(f.stat().st_size for f in files if memo.get(f) is None)
     if to_hash > 1024**3:

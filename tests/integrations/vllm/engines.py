@@ -49,7 +49,7 @@ def run_engine(model_dir: Path, family: str, connector: dict | None, requests: l
     """One fresh vLLM engine process; returns its results and the connector's stats file.
     ``transfer``: more KVTransferConfig fields (kv_load_failure_policy); ``tp``: tensor-parallel
     workers."""
-    stats = workdir / f"{name}-stats.json"
+    stats = Path(connector.get("stats_file", workdir / f"{name}-stats.json")) if connector else None
     if connector is not None:
         connector = {**connector, "stats_file": str(stats)}
     job = {"model": str(model_dir), "dtype": dtype_of(family), "connector": connector,
@@ -63,7 +63,8 @@ def run_engine(model_dir: Path, family: str, connector: dict | None, requests: l
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("HYBRIDKV_RESULT ")), None)
     assert proc.returncode == 0 and line, f"engine {name} failed:\n{proc.stderr[-4000:]}"
     result = json.loads(line.split(" ", 1)[1])
-    result["stats"] = json.loads(stats.read_text()) if connector is not None else None
+    result["log"] = proc.stdout + proc.stderr
+    result["stats"] = json.loads(stats.read_text()) if stats is not None and stats.exists() else None
     return result
 
 
@@ -100,7 +101,7 @@ def keys_of(prompt: list[int], block_tokens: int) -> list[bytes]:
     return block_hashes(prompt, block_tokens)
 
 
-def vllm_objects(block=128, tp=1, state_block=None, model="m", commit=None):
+def vllm_objects(block=128, tp=1, state_block=None, model="m", commit="0" * 40):
     """vLLM's config (the fields hybridkv reads) and a real KVCacheConfig of a small hybrid
     model: group 0 a Mamba-style state, group 1 attention."""
     from vllm.v1.kv_cache_interface import (

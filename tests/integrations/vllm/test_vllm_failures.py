@@ -1,6 +1,8 @@
-"""A worker that cannot copy: its RAM region files are removed under a running engine, so every
-load and store fails inside the worker. The failure reaches vLLM per request, never as an
-exception; vLLM's ``kv_load_failure_policy`` decides the rest, and the engine serves on."""
+"""Faults inside vLLM's process never reach vLLM. A worker that cannot copy: its RAM region
+files are removed under a running engine, so every load and store fails inside the worker. The
+failure reaches vLLM per request, never as an exception; vLLM's ``kv_load_failure_policy``
+decides the rest, and the engine serves on. A stats file that cannot be written costs one log
+line."""
 
 import pytest
 
@@ -43,3 +45,13 @@ def test_under_vllms_default_policy_the_request_fails_and_the_engine_serves_on(s
     assert run["stats"]["vllm"]["load_failures"] == 1
     assert run["requests"][0]["tokens"] == []           # ended with an error, no tokens
     assert run["requests"][1]["tokens"] == stored[4]
+
+
+def test_a_stats_file_that_cannot_be_written_costs_one_log_line(stored):
+    model, connector, work, cold_p, _ = stored
+    unwritable = {**connector, "stats_file": str(work / "no-such-dir" / "stats.json")}
+    run = run_engine(model, "lfm2", unwritable, [{"tokens": P}, {"tokens": P, "reset": True}], work, "nostats")
+    assert [r["tokens"] for r in run["requests"]] == [cold_p, cold_p]
+    assert run["requests"][0]["cached"] > 0           # restored from disk all the same
+    assert run["log"].count("cannot write stats_file") == 1
+

@@ -91,6 +91,8 @@ def test_revision_is_the_weights_identity_not_the_path(tmp_path, monkeypatch):
     assert a.revision.startswith("sha256:") and a.revision != b.revision
     hub = layout_from_vllm(*vllm_objects(model="org/model", commit="c" * 40))
     assert hub.revision == "c" * 40          # the commit "main" resolved to, not "main"
+    branch = layout_from_vllm(*vllm_objects(model="org/model", commit=None))
+    assert branch.revision is None           # "main" (or nothing) does not name the weights
     # each TP worker needs page sizes only: it does not hash the weights again
     from hybridkv.integrations.vllm.worker import WorkerSide
 

@@ -196,3 +196,65 @@ def test_under_tensor_parallelism_a_hit_stays_pinned_until_every_rank_loaded_it(
     side.on_report(report(1, loaded={"r"}))
     assert pinned() == 0
     side.close()
+
+
+def test_a_stats_file_that_cannot_be_written_is_logged_once_and_never_raised(tmp_path, caplog):
+    side = scheduler(tmp_path, stats_file=str(tmp_path / "missing-dir" / "stats.json"))
+    for rid in ("a", "b"):
+        side.match(request(rid), 0)
+        side.finish(rid)                     # writes the stats file: inside vLLM's request_finished
+    assert side.stats.stats_write_errors == 2
+    assert caplog.text.count("cannot write stats_file") == 1
+    side.close()
+
+
+def test_the_stats_file_never_follows_a_link_planted_beside_it(tmp_path):
+    """In a shared directory such as /tmp another user could plant a link at a predictable
+    temp name; the engine (often root) would then overwrite the link's target."""
+    target = tmp_path / "precious"
+    target.write_text("keep")
+    (tmp_path / "stats.json.tmp").symlink_to(target)
+    side = scheduler(tmp_path, stats_file=str(tmp_path / "stats.json"))
+    side.match(request("a"), 0)
+    side.finish("a")
+    side.close()
+    assert target.read_text() == "keep" and "connector" in (tmp_path / "stats.json").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith((".stats", "stats"))) == \
+        ["stats.json", "stats.json.tmp"]      # no temp file left behind
+
+
+def test_a_hit_vllm_trims_is_recomputed_not_raised_in_vllms_scheduler(stored):
+    tmp_path, _ = stored
+    side = scheduler(tmp_path, policy="fail")
+    assert side.match(request(), 0) == 3 * B
+    side.allocated(request(), BLOCK_IDS, 2 * B)      # vLLM took fewer tokens than were pinned
+    plan = side.plan_step({}, None, {})
+    assert plan.failed_loads == {"r"} and not plan.loads and side.stats.hits_trimmed == 1
+    assert all(g["evictable"] == g["used"] for g in side.cache.stats()["groups"].values())
+    side.close()
+
+
+def test_lora_adapters_are_keyed_by_their_weights_not_their_name(tmp_path):
+    from hybridkv.integrations.vllm.scheduler import request_identity
+
+    def adapter(directory, weights):
+        directory.mkdir()
+        (directory / "adapter_config.json").write_text('{"r": 8}')
+        (directory / "adapter_model.safetensors").write_bytes(weights)
+        return SimpleNamespace(lora_name="support-bot", lora_int_id=1, lora_path=str(directory))
+
+    def salt(lora):
+        return request_identity(SimpleNamespace(cache_salt=None, lora_request=lora, mm_features=None))[0]
+
+    a, b = adapter(tmp_path / "a", b"1" * 64), adapter(tmp_path / "b", b"2" * 64)
+    same_as_a = adapter(tmp_path / "copy-of-a", b"1" * 64)
+    assert salt(a) != salt(b)                 # one name, two sets of weights: never one page
+    assert salt(a) == salt(same_as_a)         # the same weights share pages wherever they live
+
+
+def test_a_hub_model_without_a_commit_gets_no_persistent_tiers(tmp_path):
+    config, kv = vllm_objects(block=B, model="org/model", commit=None)
+    with pytest.raises(HybridKVError, match="cannot tell which weights org/model holds .* Pass --revision"):
+        SchedulerSide(config, kv, {"store": str(tmp_path / "store"), "ram_dir": str(tmp_path)})
+    SchedulerSide(config, kv, {"ram_dir": str(tmp_path), "ram_bytes": "8MiB"}).close()   # RAM only is fine
+

@@ -15,6 +15,7 @@ bytes that mean something else.
 from __future__ import annotations
 
 import os
+import re
 
 from vllm.v1.kv_cache_interface import (
     AttentionSpec,
@@ -28,6 +29,7 @@ from hybridkv.core.errors import HybridKVError
 from hybridkv.core.identity import checkpoint_revision, software_versions
 from hybridkv.core.layout import Group, GroupKind, Layout, TensorSpec
 
+COMMIT = re.compile(r"[0-9a-f]{40}")
 # kv_connector_extra_config keys that belong to the integration, not to CacheConfig.
 INTEGRATION_KEYS = ("stats_file", "async_promotion")
 
@@ -105,8 +107,10 @@ def model_revision(model_config) -> str | None:
     commit it resolved to (a branch name such as "main" moves, so it is not enough)."""
     if os.path.isdir(str(model_config.model)):
         return checkpoint_revision(model_config.model)
-    commit = getattr(model_config.hf_config, "_commit_hash", None)
-    return commit or model_config.revision
+    for candidate in (getattr(model_config.hf_config, "_commit_hash", None), model_config.revision):
+        if isinstance(candidate, str) and COMMIT.fullmatch(candidate):
+            return candidate
+    return None            # a branch or nothing: the weights are unknown (persistent tiers refuse)
 
 
 def cache_config_from_extra(extra: dict, block_tokens: int) -> CacheConfig:

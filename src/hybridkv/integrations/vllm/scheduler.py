@@ -18,8 +18,11 @@ and a failed read only shortens the hit (``async_promotion`` overrides either wa
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
+import os
+import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -28,6 +31,7 @@ from pathlib import Path
 from hybridkv.cache import TieredCache
 from hybridkv.connector import Connector, PageKind, RequestState
 from hybridkv.core.errors import HybridKVError
+from hybridkv.core.identity import checkpoint_revision
 from hybridkv.core.retention import replay_boundary
 from hybridkv.integrations.vllm.layout import cache_config_from_extra, layout_from_vllm
 from hybridkv.integrations.vllm.messages import Copy, RegionInfo, StepPlan, WorkerReport
@@ -65,6 +69,8 @@ class SchedulerStats:
     stores_refused: int = 0       # RAM had no free slot (everything pinned) for an offer
     store_failures: int = 0
     junctions_requested: int = 0
+    hits_trimmed: int = 0         # vLLM accepted another hit than the one pinned: recomputed
+    stats_write_errors: int = 0
 
 
 class SchedulerSide:
@@ -72,6 +78,11 @@ class SchedulerSide:
         self.layout = layout_from_vllm(vllm_config, kv_cache_config)
         self.B = self.layout.block_tokens
         config = cache_config_from_extra(extra, self.B)
+        if self.layout.revision is None and (config.store or config.remote):
+            raise HybridKVError(
+                f"hybridkv cannot tell which weights {self.layout.model} holds (no commit hash from "
+                "the Hub): stored pages could be served to other weights. Pass --revision <commit>, "
+                "serve a local checkpoint directory, or leave out store and remote (RAM only)")
         self.async_promotion = async_promotion(extra, vllm_config)     # refused before any region exists
         self.cache = TieredCache(self.layout, config)
         self.connector = Connector(self.cache)
@@ -159,10 +170,15 @@ class SchedulerSide:
             return
         expected = ctx.state.hit.tokens - ctx.local_tokens
         if num_external_tokens != expected:
-            raise HybridKVError(
-                f"vLLM accepted {num_external_tokens} external tokens for {request.request_id} "
-                f"but hybridkv pinned {expected}; this vLLM version trims hits in a way the "
-                "connector does not support")
+            # Blocks of another hit size may not line up with a stored state: load nothing and
+            # let vLLM recompute the request (its failure policy), never raise in its scheduler.
+            log.warning("hybridkv: vLLM accepted %d external tokens for %s but hybridkv pinned %d; "
+                        "the request is recomputed", num_external_tokens, request.request_id, expected)
+            self.stats.hits_trimmed += 1
+            self._unpin(ctx)
+            self._promotion_failed.add(request.request_id)     # the worker reports it failed
+            self._failed_loads.add(request.request_id)
+            return
         copies = []
         for gid, blocks in self.connector.hit_blocks(ctx.state).items():
             targets = [(self.cache.slot(gid, ctx.state.keys[b]), block_ids[gid][b]) for b in blocks]
@@ -346,10 +362,26 @@ class SchedulerSide:
                 "block_tokens": self.B}
 
     def write_stats(self) -> None:
-        if self.stats_file is not None:
-            tmp = self.stats_file.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self.summary(), default=str))
-            tmp.replace(self.stats_file)
+        """Replace ``stats_file`` atomically. The temp file gets an unpredictable name,
+        created exclusively (a link planted in a shared directory is never followed, and
+        several engines given one file do not collide); a file that cannot be written is
+        logged once and counted, never raised into vLLM."""
+        if self.stats_file is None:
+            return
+        tmp = None
+        try:
+            fd, tmp = tempfile.mkstemp(dir=self.stats_file.parent, prefix=f".{self.stats_file.name}.")
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(self.summary(), default=str))
+            os.replace(tmp, self.stats_file)
+        except OSError as e:
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+            if not self.stats.stats_write_errors:
+                log.warning("hybridkv: cannot write stats_file %s (%s); serving on without it",
+                            self.stats_file, e.strerror or e)
+            self.stats.stats_write_errors += 1
 
     def close(self) -> None:
         if self._closed:
@@ -393,8 +425,27 @@ def request_identity(request) -> tuple[str | None, bytes | None]:
     salt = getattr(request, "cache_salt", None) or ""
     lora = getattr(request, "lora_request", None)
     if lora is not None:
-        salt += f"|lora:{lora.lora_name}:{lora.lora_int_id}"
+        salt += f"|lora:{adapter_identity(lora)}"
     features = getattr(request, "mm_features", None) or []
     ids = [str(getattr(f, "identifier", None) or getattr(f, "mm_hash", "")) for f in features]
     extra = "|".join(ids).encode() if ids else None
     return salt or None, extra
+
+
+_adapters: dict[tuple, str] = {}
+
+
+def adapter_identity(lora) -> str:
+    """A LoRA adapter by its weights, not its name: two servers sharing Redis with different
+    weights under one adapter name must not share pages. A local adapter directory is named
+    by a digest of its files (remembered per path and modification time); otherwise the name,
+    id and path are all there is."""
+    path = getattr(lora, "lora_path", None) or getattr(lora, "path", None)
+    if path and os.path.isdir(path):
+        mtime = max((f.stat().st_mtime_ns for f in Path(path).iterdir() if f.is_file()), default=0)
+        key = (os.path.realpath(path), mtime)
+        if key not in _adapters:
+            _adapters[key] = checkpoint_revision(path, extra_files=("adapter_config.json",))
+        return _adapters[key]
+    return f"{lora.lora_name}:{lora.lora_int_id}:{path}"
+
