@@ -30,3 +30,12 @@ def test_bad_flags_exit_2_with_one_line():
         proc = run(*args)
         last = proc.stderr.strip().splitlines()[-1]
         assert proc.returncode == 2 and "error:" in last and fix in last, proc.stderr
+
+
+def test_the_benchmarks_page_shows_a_gpu_run_or_says_there_was_none():
+    from hybridkv.tools.bench_report import gpu_section
+
+    assert "Not run yet" in gpu_section(None)
+    summary = json.loads(run("--device", "cpu", "--pages", "4", "--repeats", "1", "--engine-tokens", "0").stdout)
+    page = gpu_section(summary)
+    assert "Round trips bit-identical: 9 of 9" in page and "| LBNHC | 1024 KiB |" in page

@@ -354,6 +354,31 @@ def vllm_summary(results: dict) -> str:
     return "\n".join(lines)
 
 
+def gpu_section(summary: dict | None) -> str:
+    """The device check's summary (``docs/gpu_check.json``), or what is missing."""
+    lines = ["\n### GPU (`python -m hybridkv.tools.gpu_check`, `docs/gpu_check.json`)\n"]
+    if summary is None:
+        return "\n".join(lines + [
+            "Not run yet: no GPU machine was available while the copy path was built. "
+            "`bash scripts/gpu_check.sh` runs it on one (every vLLM cache layout round-tripped "
+            "bit for bit, save/load GB/s against torch's pinned copy of the same bytes, the "
+            "reference engine's cold/RAM/disk TTFT); put its JSON in `docs/gpu_check.json` and "
+            "regenerate this page.\n"])
+    lines.append(f"Card: {summary['card']}, torch {summary['torch']}. Round trips bit-identical: "
+                 f"{sum(summary['round_trips'].values())} of {len(summary['round_trips'])}.\n")
+    lines += ["| layout | page | save GB/s | vs pinned D2H | load GB/s | vs pinned H2D |",
+              "|---|---:|---:|---:|---:|---:|"]
+    lines += [f"| {b['layout']} | {b['page_bytes'] >> 10} KiB | {b['save_GBps']} | {b['save_vs_ceiling']:.2f}x | "
+              f"{b['load_GBps']} | {b['load_vs_ceiling']:.2f}x |" for b in summary["bandwidth"]]
+    if summary.get("engine"):
+        lines += ["", "| prompt | cold TTFT | RAM TTFT | disk TTFT (fresh engine) | identical |",
+                  "|---:|---:|---:|---:|---|"]
+        lines += [f"| {r['prompt_tokens']:,} | {r['cold_ttft_ms']} ms | {r['ram_ttft_ms']} ms "
+                  f"({r['ram_speedup']}x) | {r['disk_ttft_ms']} ms ({r['disk_speedup']}x) | {r['identical']} |"
+                  for r in summary["engine"]]
+    return "\n".join(lines) + "\n"
+
+
 def write_page(results_path: str, page_path: str) -> None:
     import json
 
@@ -364,6 +389,8 @@ def write_page(results_path: str, page_path: str) -> None:
         vllm = json.loads(through_vllm.read_text())
         text += ("\n### Through stock vLLM (`docs/bench_vllm.json`)\n\n" + vllm_table(vllm)
                  + "\n\n" + vllm_summary(vllm) + "\n")
+    gpu = Path(results_path).with_name("gpu_check.json")
+    text += gpu_section(json.loads(gpu.read_text()) if gpu.exists() else None)
     Path(page_path).write_text(text + CHARTS)
 
 
