@@ -113,10 +113,10 @@ def test_tensor_parallel_ranks_own_one_slice_each(staged, region):
 def test_staging_smaller_than_a_batch_moves_it_in_chunks(region):
     src = views("BLNHC")
     r = region(page_bytes(src))
-    copier = PageCopier({0: src}, {0: r.page_bytes}, staged=True, staging_bytes=1)   # one page at a time
+    copier = PageCopier({0: src}, {0: r.page_bytes}, staged=True, save_staging_bytes=1, load_staging_bytes=1)   # one page at a time
     copier.save(0, r, list(range(BLOCKS)), list(range(BLOCKS)))
     dst = [torch.zeros_like(v) for v in src]
-    PageCopier({0: dst}, {0: r.page_bytes}, staged=True, staging_bytes=1).load(0, r, list(range(BLOCKS)), list(range(BLOCKS)))
+    PageCopier({0: dst}, {0: r.page_bytes}, staged=True, save_staging_bytes=1, load_staging_bytes=1).load(0, r, list(range(BLOCKS)), list(range(BLOCKS)))
     assert all(torch.equal(s, d) for s, d in zip(src, dst, strict=True))
 
 

@@ -9,17 +9,18 @@ page (its heads, its state slice) and copies only that range.
 
 On CPU a copy is one gather or scatter per layer tensor straight between the tensors and the
 mapped region. On a GPU it is staged: the layers of a batch are gathered into a device buffer
-and moved by DMA per slot (the region is registered with CUDA), on a stream of its own that
-first waits for the engine's stream, so the copy sees every kernel queued before it.
+and moved by DMA per slot (the region is registered with CUDA), on a stream per direction
+that first waits for the engine's stream, so the copy sees every kernel queued before it.
 The engine's stream then waits only for the gather of a save (the blocks may be reused
-after it), never for the transfer to host. ``Transfer.done`` says when the host bytes (a save)
-or the blocks (a load) are complete. The staged path runs on CPU too (``staged=True``), so
-the CPU tests cover the code a GPU runs.
+after it), never for a transfer to or from host. ``Transfer.done`` says when the host bytes
+(a save) or the blocks (a load) are complete. The staged path runs on CPU too
+(``staged=True``), so the CPU tests cover the code a GPU runs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -29,7 +30,8 @@ from hybridkv.core.errors import HybridKVError
 from hybridkv.device.pinning import cuda_pin_hook
 from hybridkv.ram.regions import SharedRegion
 
-STAGING_BYTES = 64 << 20     # device memory a staged copy moves at a time (at least one page)
+LOAD_STAGING_BYTES = 64 << 20    # device memory a staged load moves at a time (at least one page)
+SAVE_STAGING_BYTES = 1 << 30     # a save up to this size is gathered whole (see PageCopier.save)
 
 
 @dataclass(frozen=True)
@@ -40,17 +42,47 @@ class _Part:
 
 
 class Transfer:
-    """A batch of copies in flight. On CPU it is complete when created."""
+    """A batch of copies in flight; on CPU it is complete when created."""
 
-    def __init__(self, event=None):
-        self._event = event
+    def __init__(self, done=None, started=None, seconds: float = 0.0):
+        self._done, self._started, self._seconds = done, started, seconds
 
     def done(self) -> bool:
-        return self._event is None or self._event.query()
+        return self._done is None or self._done.query()
 
     def wait(self) -> None:
-        if self._event is not None:
-            self._event.synchronize()
+        if self._done is not None:
+            self._done.synchronize()
+
+    def seconds(self) -> float:
+        """How long the copies took (on a GPU: on its stream, between the batch's events)."""
+        if self._done is None:
+            return self._seconds
+        return self._started.elapsed_time(self._done) / 1e3
+
+
+class _Lane:
+    """One direction's stream and staging buffer: loads never queue behind saves, and a
+    save's gather never waits for a load's transfer."""
+
+    def __init__(self, device: torch.device, cuda: bool):
+        self.device, self.cuda = device, cuda
+        self.stream = torch.cuda.Stream(device) if cuda else None
+        self.buffer: torch.Tensor | None = None
+
+    def staging(self, rows: int, width: int) -> torch.Tensor:
+        """``rows`` x ``width`` bytes; a larger buffer replaces a smaller one (the old one is
+        freed in this lane's stream order, so copies still using it are safe)."""
+        if self.buffer is None or self.buffer.numel() < rows * width:
+            self.buffer = torch.empty(rows * width, dtype=torch.uint8, device=self.device)
+        return self.buffer[: rows * width].view(rows, width)
+
+    def event(self):
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(self.stream)
+        return event
 
 
 def fold_kernel_blocks(tensor: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -79,7 +111,7 @@ class PageCopier:
 
     def __init__(self, views: Mapping[int, Sequence[torch.Tensor]], page_bytes: Mapping[int, int],
                  rank: int = 0, ranks: int = 1, staged: bool | None = None,
-                 staging_bytes: int = STAGING_BYTES):
+                 load_staging_bytes: int = LOAD_STAGING_BYTES, save_staging_bytes: int = SAVE_STAGING_BYTES):
         self.parts: dict[int, list[_Part]] = {}
         self.slice_bytes: dict[int, int] = {}
         devices = set()
@@ -110,30 +142,41 @@ class PageCopier:
             raise HybridKVError("copies on a GPU are staged (staged=False is for CPU tensors only)")
         # each process that copies to a GPU registers its own mapping of a region
         self.pin_hook = cuda_pin_hook() if self.cuda else None
-        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self.staging_bytes = max([staging_bytes, *self.slice_bytes.values()])
-        self._staging: torch.Tensor | None = None
+        self._lanes = {"save": _Lane(self.device, self.cuda), "load": _Lane(self.device, self.cuda)}
+        self._staging_bytes = {"save": save_staging_bytes, "load": load_staging_bytes}
 
     # -- public ---------------------------------------------------------------------------
     def save(self, group: int, region: SharedRegion, slots: Sequence[int], blocks: Sequence[int]) -> Transfer:
-        """Blocks -> slots, after everything the engine queued so far (the forward)."""
+        """Blocks -> slots, after everything the engine queued so far (the forward). On a GPU
+        the engine's stream waits for the gather only; a save larger than
+        ``save_staging_bytes`` goes in parts, and there it also waits for the earlier
+        parts' transfers (the buffer is reused)."""
         host = self._host(group, region)
         if not self.staged:
+            t0 = time.perf_counter()
             ids, where = self._ids(blocks), torch.as_tensor(slots, dtype=torch.long)
             for p in self.parts[group]:
                 host[where, p.offset:p.offset + p.nbytes] = self._gather(p, ids)
-            return Transfer()
-        return self._staged(group, host, slots, blocks, save=True)
+            return Transfer(seconds=time.perf_counter() - t0)
+        return self._staged(group, host, slots, blocks, "save")
 
     def load(self, group: int, region: SharedRegion, slots: Sequence[int], blocks: Sequence[int]) -> Transfer:
         """Slots -> blocks, after everything the engine queued so far (its zeroing of them)."""
         host = self._host(group, region)
         if not self.staged:
+            t0 = time.perf_counter()
             ids, where = self._ids(blocks), torch.as_tensor(slots, dtype=torch.long)
             for p in self.parts[group]:
                 self._scatter(p, ids, host[where, p.offset:p.offset + p.nbytes])
-            return Transfer()
-        return self._staged(group, host, slots, blocks, save=False)
+            return Transfer(seconds=time.perf_counter() - t0)
+        return self._staged(group, host, slots, blocks, "load")
+
+    def synchronize(self) -> None:
+        """Wait for every copy queued so far (before a failed batch is reported: no copy of
+        it may still land in blocks or slots that are about to be reused)."""
+        for lane in self._lanes.values():
+            if lane.stream is not None:
+                lane.stream.synchronize()
 
     # -- the two paths --------------------------------------------------------------------
     def _host(self, group: int, region: SharedRegion) -> torch.Tensor:
@@ -157,23 +200,22 @@ class PageCopier:
         data = raw.contiguous().view(p.view.dtype).reshape(len(ids), *p.view.shape[1:])
         p.view.index_copy_(0, ids, data)
 
-    def _staged(self, group: int, host: torch.Tensor, slots, blocks, save: bool) -> Transfer:
-        width = self.slice_bytes[group]
-        rows = max(1, self.staging_bytes // width)
-        if self._staging is None:
-            self._staging = torch.empty(self.staging_bytes, dtype=torch.uint8, device=self.device)
-        staging = self._staging[: rows * width].view(rows, width)
+    def _staged(self, group: int, host: torch.Tensor, slots, blocks, kind: str) -> Transfer:
+        width, lane, save = self.slice_bytes[group], self._lanes[kind], kind == "save"
+        rows = min(len(slots), max(1, self._staging_bytes[kind] // width))
+        staging = lane.staging(rows, width)
         engine = torch.cuda.current_stream(self.device) if self.cuda else None
-        with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
+        t0 = time.perf_counter()
+        with torch.cuda.stream(lane.stream) if self.cuda else contextlib.nullcontext():
             if self.cuda:
-                self.stream.wait_stream(engine)
-            read = None
+                lane.stream.wait_stream(engine)
+            started, read = lane.event(), None
             for start in range(0, len(slots), rows):
                 where, ids = slots[start:start + rows], self._ids(blocks[start:start + rows])
                 if save:
                     for p in self.parts[group]:
                         staging[:len(ids), p.offset:p.offset + p.nbytes] = self._gather(p, ids)
-                    read = self._record()          # the blocks are read up to here
+                    read = lane.event()          # the blocks are read up to here
                 for i, slot in enumerate(where):
                     if save:
                         host[slot].copy_(staging[i], non_blocking=self.cuda)
@@ -182,14 +224,7 @@ class PageCopier:
                 if not save:
                     for p in self.parts[group]:
                         self._scatter(p, ids, staging[:len(ids), p.offset:p.offset + p.nbytes])
-            done = self._record()
+            done = lane.event()
         if read is not None:         # the engine may overwrite the blocks once they are read
             engine.wait_event(read)
-        return Transfer(done)
-
-    def _record(self):
-        if not self.cuda:
-            return None
-        event = torch.cuda.Event()
-        event.record(self.stream)
-        return event
+        return Transfer(done, started, seconds=time.perf_counter() - t0)

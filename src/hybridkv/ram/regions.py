@@ -23,8 +23,13 @@ import numpy as np
 
 from hybridkv.core.errors import HybridKVError
 
+
 # Runs once per process that maps a region (e.g. CUDA host registration); what it returns, if
 # anything, undoes it and runs before the mapping goes.
+class PinningFailed(HybridKVError):
+    """A pin hook failed for good: fatal where it runs (never a silent fallback)."""
+
+
 PinHook = Callable[["SharedRegion"], "Callable[[], None] | None"]
 
 
@@ -156,7 +161,7 @@ class SharedRegion:
             fcntl.flock(lock_fd, fcntl.LOCK_EX)
             self._unpin = hook(self)
         except Exception as e:
-            raise HybridKVError(
+            raise PinningFailed(
                 f"pinning RAM region failed on rank {rank}: path {self.path}, size {self.nbytes} B: {e}"
             ) from e
         finally:

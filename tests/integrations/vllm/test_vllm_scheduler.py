@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from hybridkv.core.errors import HybridKVError
 from hybridkv.integrations.vllm.messages import RankReport, WorkerReport
@@ -258,3 +259,67 @@ def test_a_hub_model_without_a_commit_gets_no_persistent_tiers(tmp_path):
         SchedulerSide(config, kv, {"store": str(tmp_path / "store"), "ram_dir": str(tmp_path)})
     SchedulerSide(config, kv, {"ram_dir": str(tmp_path), "ram_bytes": "8MiB"}).close()   # RAM only is fine
 
+
+
+def worker_tensors(seed):
+    """What vLLM registers for vllm_objects' model on one rank: two Mamba-style layers (int8
+    views of 1,536 real bytes in 64 KiB padded pages), one attention layer [16, 2, 128, 64]."""
+    from hybridkv.tools.gpu_check import attention_caches, state_caches
+
+    (attention,) = attention_caches("LBHNC", layers=1, blocks=16, heads=2, tokens=128, width=64,
+                                    dtype=torch.int32, seed=seed)
+    l0, l1 = state_caches(2, 16, 1536, 65536, seed=seed)
+    return {"l0": l0, "l1": l1, "l2": attention.view(torch.float32)}
+
+
+def test_two_ranks_store_and_load_their_slices_through_the_scheduler(tmp_path):
+    """The whole TP=2 path in one process: both workers save their slices of the blocks the
+    scheduler planned, the page is published once both reported, and a later hit loads each
+    rank's slice back into that rank's (empty) tensors, bit for bit."""
+    side = fresh_scheduler(tmp_path, tp=2)
+    config, kv = vllm_objects(block=B, tp=2)
+    sources = [worker_tensors(seed) for seed in (1, 2)]
+    workers = [WorkerSide(config, kv, rank=r) for r in (0, 1)]
+    for worker, tensors in zip(workers, sources, strict=True):
+        worker.register(tensors)
+    side.match(request("w"), 0)
+    plan = side.plan_step({"w": (0, 3 * B + 1)}, lambda rid: BLOCK_IDS, {"w": [(0, 9, 3 * B)]})
+    merged = None
+    for worker in workers:
+        worker.store(plan)
+        part = worker.take_report()
+        merged = part if merged is None else merged.aggregate(part)
+    side.on_report(merged)
+    side.finish("w")
+    assert side.match(request("r"), 0) == 3 * B
+    targets = ([5, 6, 7], [1, 2, 3])               # other blocks this time
+    side.allocated(request("r"), targets, 3 * B)
+    plan = side.plan_step({}, None, {})
+    empty = [{k: torch.zeros_like(v) for k, v in worker_tensors(0).items()} for _ in workers]
+    for worker, tensors in zip(workers, empty, strict=True):
+        worker.register(tensors)
+        worker.load(plan)
+        assert worker.finished_loads() == ({"r"}, set())
+    for src, dst in zip(sources, empty, strict=True):
+        for b, (s_block, d_block) in enumerate(zip(BLOCK_IDS[1], targets[1], strict=True)):
+            assert torch.equal(src["l2"][s_block].view(torch.int32), dst["l2"][d_block].view(torch.int32)), b
+        for layer in ("l0", "l1"):                  # the state at 3B: vLLM's block 9 -> block 7
+            assert torch.equal(src[layer][9], dst[layer][7])
+    for worker in workers:
+        worker.close()
+    side.close()
+
+
+def test_a_worker_that_cannot_pin_the_regions_stops_the_engine_with_one_line(tmp_path):
+    from hybridkv.device.pinning import cuda_pin_hook
+    from hybridkv.ram.regions import PinningFailed
+
+    side = fresh_scheduler(tmp_path)
+    worker = WorkerSide(*vllm_objects(block=B))
+    worker.register(worker_tensors(1))
+    worker.copier.pin_hook = cuda_pin_hook(lambda address, size: 2, lambda address: None, attempts=2, backoff_s=0)
+    side.match(request("w"), 0)
+    plan = side.plan_step({"w": (0, 3 * B + 1)}, lambda rid: BLOCK_IDS, {})
+    with pytest.raises(PinningFailed, match=r"rank 0: .* cudaHostRegister failed 2 times \(error codes \[2, 2\]\)"):
+        worker.store(plan)
+    side.close()

@@ -6,8 +6,9 @@ Qwen3-Next (GDN states + attention): a TP=1 engine stores P first; engine A (TP=
 store must miss it, serves P, a sibling that stores a junction, a third prompt hitting it, and
 R; one byte of rank 1's slice of R's stored state is flipped; engine B (TP=2, a new process)
 restores P from disk and misses R's damaged state; a TP=1 engine then misses what only TP=2
-stored and still hits its own pages. Llama: two TP=2 engines with their own disks and RAM
-share one redis-server; the second restores what the first stored.
+stored and still hits its own pages. LFM2 and Granite-4.0-H: a junction and a new-process disk
+restore. Llama: two TP=2 engines with their own disks and RAM share one redis-server; the
+second restores what the first stored.
 """
 
 import pytest
@@ -71,6 +72,22 @@ def test_a_tp2_store_is_a_miss_at_tp1_which_still_hits_its_own_pages(qwen):
     assert again[0]["cached"] == 0 and again[0]["tokens"] == again[1]["tokens"]
     assert again[2]["cached"] >= replay(len(P), qwen["B_tokens"]) - qwen["B_tokens"]
     assert again[2]["tokens"] == first[0]["tokens"]
+
+
+@pytest.mark.parametrize("family", ["lfm2", "granite_h"])
+def test_a_new_tp2_process_restores_from_disk_and_a_third_request_hits_the_junction(checkpoints, tmp_path, family):
+    """Short conv (LFM2) and Mamba2 (Granite-4.0-H) states sharded over two ranks."""
+    model, store = checkpoints(family), tmp_path / "store"
+    store.mkdir()
+    connector = {"store": str(store), "ram_bytes": "64MiB"}
+    a = run_engine(model, family, connector, [
+        {"tokens": P}, {"tokens": SIBLING, "reset": True}, {"tokens": THIRD, "reset": True},
+        {"tokens": THIRD, "reset": True, "salt": "cold"}], tmp_path, "A", tp=2)
+    b = run_engine(model, family, connector, [{"tokens": P}], tmp_path, "B", tp=2)
+    B, runs = a["stats"]["block_tokens"], a["requests"]
+    assert runs[2]["cached"] >= 1100 // B * B and runs[2]["tokens"] == runs[3]["tokens"]
+    restored = b["requests"][0]
+    assert restored["cached"] >= replay(len(P), B) - B and restored["tokens"] == runs[0]["tokens"]
 
 
 def test_two_tp2_servers_share_one_redis(checkpoints, tmp_path, redis_server):

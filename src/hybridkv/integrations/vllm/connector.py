@@ -119,6 +119,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         block_state = scheduler_output.kv_connector_block_state
         return self.scheduler.plan_step(spans, block_state.get_block_ids, block_state.boundary_state_offloads)
 
+    def has_pending_push_work(self) -> bool:
+        return self.scheduler.pending_stores()
+
     def reset_cache(self) -> bool:
         return self.scheduler.reset()
 

@@ -318,7 +318,8 @@ class SchedulerSide:
             return
         del self._load_acks[req]
         if failures:                      # no hit again: vLLM recomputes the request
-            self._failed_loads.add(req)
+            if req in self._requests:     # (a finished request's id is not kept)
+                self._failed_loads.add(req)
             self.stats.load_failures += 1
         ctx = self._requests.get(req)
         if ctx is not None and ctx.pinned:
@@ -327,6 +328,11 @@ class SchedulerSide:
     def _unpin(self, ctx: _Request) -> None:
         self.connector.release(ctx.state)
         ctx.pinned = False
+
+    def pending_stores(self) -> bool:
+        """Stores some rank has not reported yet (a GPU copy completes a step or more after
+        it was queued): vLLM keeps stepping while there are any, so they get published."""
+        return bool(self._reservations)
 
     # -- lifetimes --------------------------------------------------------------------------
     def finish(self, request_id: str, final: bool = True) -> None:
@@ -438,12 +444,12 @@ _adapters: dict[tuple, str] = {}
 def adapter_identity(lora) -> str:
     """A LoRA adapter by its weights, not its name: two servers sharing Redis with different
     weights under one adapter name must not share pages. A local adapter directory is named
-    by a digest of its files (remembered per path and modification time); otherwise the name,
-    id and path are all there is."""
+    by a digest of its files (remembered per path and every file's size and modification
+    time); otherwise the name, id and path are all there is."""
     path = getattr(lora, "lora_path", None) or getattr(lora, "path", None)
     if path and os.path.isdir(path):
-        mtime = max((f.stat().st_mtime_ns for f in Path(path).iterdir() if f.is_file()), default=0)
-        key = (os.path.realpath(path), mtime)
+        files = sorted(f for f in Path(path).rglob("*") if f.is_file())
+        key = (os.path.realpath(path), tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files))
         if key not in _adapters:
             _adapters[key] = checkpoint_revision(path, extra_files=("adapter_config.json",))
         return _adapters[key]

@@ -16,14 +16,14 @@ the request or fails it, by its ``kv_load_failure_policy``) and a failed store i
 from __future__ import annotations
 
 import logging
-import time
 from collections import defaultdict
+from dataclasses import dataclass, field
 
 from hybridkv.device.page_copy import PageCopier, Transfer
 from hybridkv.integrations.vllm.layout import layout_from_vllm
 from hybridkv.integrations.vllm.messages import Copy, RankReport, StepPlan, WorkerReport
 from hybridkv.integrations.vllm.views import block_views, check_views, resolved_layout
-from hybridkv.ram.regions import SharedRegion
+from hybridkv.ram.regions import PinningFailed, SharedRegion
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,16 @@ def _merge(copies: list[Copy]) -> dict[int, tuple[list[int], list[int]]]:
         merged[c.group][0].extend(c.slots)
         merged[c.group][1].extend(c.blocks)
     return merged
+
+
+@dataclass
+class _Batch:
+    """One step's loads (request ids) or stores (reservation ids) and their transfers."""
+
+    kind: str
+    ids: set
+    transfers: list[Transfer] = field(default_factory=list)
+    nbytes: int = 0
 
 
 def tensor_parallel_rank() -> int:
@@ -52,8 +62,8 @@ class WorkerSide:
         self.copier: PageCopier | None = None
         self.regions: dict[int, SharedRegion] = {}
         self.report = RankReport()
-        self._loads: list[tuple[set[str], list[Transfer]]] = []     # copies in flight
-        self._stores: list[tuple[set[int], list[Transfer]]] = []
+        self._loads: list[_Batch] = []       # copies in flight
+        self._stores: list[_Batch] = []
         self.counters = {"load_bytes": 0, "store_bytes": 0, "load_s": 0.0, "store_s": 0.0}
 
     def register(self, kv_caches: dict) -> None:
@@ -66,6 +76,9 @@ class WorkerSide:
                  {gid: n for gid, n in self.copier.slice_bytes.items()})
 
     def _attach(self, plan: StepPlan) -> None:
+        """Map the regions the first time a plan names them. On a GPU this registers them with
+        CUDA; a registration that fails for good (``PinningFailed``) stops the engine with one
+        line: copies from pageable memory would run at a fraction of the speed, silently."""
         for gid, info in plan.regions.items():
             if gid not in self.regions:
                 self.regions[gid] = SharedRegion.attach(info.path, info.slots, info.page_bytes,
@@ -77,43 +90,45 @@ class WorkerSide:
         if not plan.loads:
             return
         requests = set(plan.loads)
-        transfers = self._copy("load", plan, plan.loads, self.copier.load)
-        if transfers is None:      # vLLM recomputes these requests or fails them (its failure policy)
+        batch = self._copy("load", plan, plan.loads, self.copier.load, requests)
+        if batch is None:          # vLLM recomputes these requests or fails them (its failure policy)
             self.report.load_failures |= requests
         else:
-            self._loads.append((requests, transfers))
+            self._loads.append(batch)
 
     def store(self, plan: StepPlan) -> None:
         if not plan.stores:
             return
         reservations = set(plan.stores)
-        transfers = self._copy("store", plan, plan.stores, self.copier.save)
-        if transfers is None:
+        batch = self._copy("store", plan, plan.stores, self.copier.save, reservations)
+        if batch is None:
             self.report.store_failures |= reservations
         else:
-            self._stores.append((reservations, transfers))
+            self._stores.append(batch)
 
-    def _copy(self, kind: str, plan: StepPlan, batches: dict, copy) -> list[Transfer] | None:
-        t0 = time.perf_counter()
+    def _copy(self, kind: str, plan: StepPlan, batches: dict, copy, ids: set) -> _Batch | None:
+        batch = _Batch(kind, ids)
         try:
             self._attach(plan)          # a region that cannot be attached fails this copy only
-            transfers = []
             for gid, (slots, blocks) in _merge([c for cs in batches.values() for c in cs]).items():
-                transfers.append(copy(gid, self.regions[gid], slots, blocks))
-                self.counters[f"{kind}_bytes"] += len(slots) * self.copier.slice_bytes[gid]
-            return transfers
+                batch.transfers.append(copy(gid, self.regions[gid], slots, blocks))
+                batch.nbytes += len(slots) * self.copier.slice_bytes[gid]
+            return batch
+        except PinningFailed:
+            raise                       # fatal (see _attach)
         except Exception:
+            # parts of the batch may be queued already: none may land after it is reported
+            self.copier.synchronize()
             log.exception("hybridkv: %s failed; those pages are recomputed or not cached", kind)
             return None
-        finally:
-            self.counters[f"{kind}_s"] += time.perf_counter() - t0
 
-    @staticmethod
-    def _collect(pending: list, into: set) -> None:
-        """Copies whose transfers all completed go into the report."""
-        for entry in [e for e in pending if all(t.done() for t in e[1])]:
-            pending.remove(entry)
-            into.update(entry[0])
+    def _collect(self, pending: list[_Batch], into: set) -> None:
+        """Batches whose transfers all completed go into the report and the counters."""
+        for batch in [b for b in pending if all(t.done() for t in b.transfers)]:
+            pending.remove(batch)
+            into.update(batch.ids)
+            self.counters[f"{batch.kind}_bytes"] += batch.nbytes
+            self.counters[f"{batch.kind}_s"] += sum(t.seconds() for t in batch.transfers)
 
     def take_counters(self) -> dict:
         counters = self.counters
@@ -133,8 +148,8 @@ class WorkerSide:
         return set(self.report.loaded), set(self.report.load_failures)
 
     def close(self) -> None:
-        for _, transfers in self._loads + self._stores:
-            for t in transfers:
+        for batch in self._loads + self._stores:
+            for t in batch.transfers:
                 t.wait()
         for region in self.regions.values():
             region.close()
