@@ -2,7 +2,8 @@
 
 import json
 
-from hybridkv.tiers import pagefile
+from hybridkv.tiers import admin, pagefile
+from hybridkv.tiers.admin import verify_store
 
 from helpers.cli import assert_one_line_error, cli
 from helpers.tier_worker import written_tier
@@ -17,14 +18,15 @@ def test_inspect_verify_gc_cli(tmp_path):
     assert out["total_bytes"] == 4 * (4096 + 16384 + 2 * pagefile.HEADER_BYTES)
 
     proc = cli("verify", "--store", tmp_path, "--json")
-    assert proc.returncode == 0 and json.loads(proc.stdout) == {"checked": 8, "ok": 8, "corrupt": 0, "quarantined": 0}
+    clean = {"checked": 8, "ok": 8, "corrupt": 0, "quarantined": 0, "vanished": 0, "unreadable": 0}
+    assert proc.returncode == 0 and json.loads(proc.stdout) == clean
     victim = next((tmp_path / ns["fingerprint"] / "g1").glob("*/*.blk"))
     blob = bytearray(victim.read_bytes())
     blob[-1] ^= 0xFF
     victim.write_bytes(bytes(blob))
     proc = cli("verify", "--store", tmp_path, "--json")
     assert proc.returncode == 1
-    assert json.loads(proc.stdout) == {"checked": 8, "ok": 7, "corrupt": 1, "quarantined": 1}
+    assert json.loads(proc.stdout) == {**clean, "ok": 7, "corrupt": 1, "quarantined": 1}
     assert json.loads(cli("inspect", "--store", tmp_path, "--json").stdout)["namespaces"][0]["quarantined"] == 1
 
     proc = cli("gc", "--store", tmp_path, "--max-bytes", "10KiB", "--json")
@@ -36,3 +38,28 @@ def test_store_cli_errors(tmp_path):
     assert_one_line_error(cli("inspect", "--store", tmp_path / "nope"), "does not exist")
     assert_one_line_error(cli("gc", "--store", tmp_path, "--max-bytes", "lots"), "--max-bytes")
     assert_one_line_error(cli("inspect"), "--store DIR or --remote URL")
+
+
+def test_verify_beside_an_eviction_and_a_failing_disk_quarantines_nothing_healthy(tmp_path, monkeypatch):
+    """Files removed between verify's listing and its read (an engine's eviction or a gc, both
+    safe beside verify) have vanished; a read that fails with EIO is unreadable. Neither is
+    corrupt, and nothing healthy moves to quarantine."""
+    written_tier(tmp_path, n=4).close()
+    opened = []
+    real_open = admin.open_page
+
+    def racing_open(path, flags):
+        if not str(path).endswith(".blk"):    # the namespace's manifest, read at open
+            return real_open(path, flags)
+        opened.append(path)
+        if len(opened) == 1:
+            path.unlink()                     # evicted after the listing
+        if len(opened) == 2:
+            raise OSError(5, "Input/output error")
+        return real_open(path, flags)
+
+    monkeypatch.setattr(admin, "open_page", racing_open)
+    result = verify_store(tmp_path, progress=False)
+    assert result == {"checked": 8, "ok": 6, "corrupt": 0, "quarantined": 0, "vanished": 1, "unreadable": 1}
+    assert opened[1].exists()                 # the unreadable file stays where it is
+

@@ -276,9 +276,10 @@ def test_admin_commands_inspect_verify_and_collect_packs(tmp_path):
     (ns,) = inspect_store(tmp_path)["namespaces"]
     assert ns["packs"] == {"files": 2, "bytes": sum(p.stat().st_size for p in packs(tier)), "pages": 20}
     assert [g["packed_pages"] for g in ns["groups"]] == [10, 10]
-    assert verify_store(tmp_path, progress=False) == {"checked": 2, "ok": 2, "corrupt": 0, "quarantined": 0}
+    clean = {"checked": 2, "ok": 2, "corrupt": 0, "quarantined": 0, "vanished": 0, "unreadable": 0}
+    assert verify_store(tmp_path, progress=False) == clean
     flip(path, offset)
-    assert verify_store(tmp_path, progress=False) == {"checked": 2, "ok": 1, "corrupt": 1, "quarantined": 1}
+    assert verify_store(tmp_path, progress=False) == {**clean, "ok": 1, "corrupt": 1, "quarantined": 1}
     assert gc_store(tmp_path, 0, progress=False)["removed_files"] == 1 and not packs(tier)
 
 

@@ -141,11 +141,14 @@ def inspect_store(store: str | Path) -> dict:
 
 
 def verify_store(store: str | Path, progress: bool = True) -> dict:
-    """Check every page file and pack (each of its pages); corrupt files are quarantined."""
+    """Check every page file and pack (each of its pages). Only a checksum or format failure
+    is corruption, and only corrupt files are quarantined. A file removed between the listing
+    and its read (an engine's eviction, a ``gc``: both are safe beside ``verify``) has
+    vanished; one that cannot be read (EIO, EACCES) is unreadable and stays where it is."""
     dirs, namespaces = open_store(store)
     files = [(ns, g, p) for ns, _ in namespaces for g, p, _ in _pages(ns, dirs)]
     files += [(ns, None, p) for ns, _ in namespaces for p, _ in _packs(ns, dirs)]
-    result = {"checked": 0, "ok": 0, "corrupt": 0, "quarantined": 0}
+    result = {"checked": 0, "ok": 0, "corrupt": 0, "quarantined": 0, "vanished": 0, "unreadable": 0}
     with progress_bar(len(files), "verifying", progress) as bar:
         for ns, group, path in files:
             result["checked"] += 1
@@ -156,7 +159,11 @@ def verify_store(store: str | Path, progress: bool = True) -> dict:
                     with os.fdopen(open_page(path, os.O_RDONLY), "rb") as f:
                         pagefile.decode(f.read(), group, bytes.fromhex(path.stem))
                 result["ok"] += 1
-            except (OSError, ValueError, pagefile.CorruptPage):
+            except FileNotFoundError:
+                result["vanished"] += 1
+            except OSError:
+                result["unreadable"] += 1
+            except (ValueError, pagefile.CorruptPage):
                 result["corrupt"] += 1
                 result["quarantined"] += quarantine(ns, path, dirs)
             bar.update()

@@ -90,8 +90,9 @@ def _cmd_verify(args) -> int:
         print(json.dumps(result))
     else:
         print(f"checked {result['checked']}: {result['ok']} ok, {result['corrupt']} corrupt "
-              f"(moved to quarantine)")
-    return 1 if result["corrupt"] else 0
+              f"(moved to quarantine), {result['unreadable']} unreadable (left in place), "
+              f"{result['vanished']} removed meanwhile")
+    return 1 if result["corrupt"] or result["unreadable"] else 0
 
 
 def _cmd_gc(args) -> int:
