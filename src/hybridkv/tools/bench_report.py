@@ -31,7 +31,7 @@ def manager_table(mg: dict) -> list[str]:
     peers = mg.get("vllm", {})
 
     def row(name, x):
-        add(f"| {name} | " + " | ".join(f"{x[f]:,.0f}" for f in fields) + " |")
+        add(f"| {name} | " + " | ".join("not in this vLLM" if x[f] is None else f"{x[f]:,.0f}" for f in fields) + " |")
 
     for p in ("lru", "arc"):
         x, peer = mg[p], peers.get(p) or {}
@@ -42,7 +42,8 @@ def manager_table(mg: dict) -> list[str]:
             add(f"| vLLM {p} | not measured: {peer['error']} | | |")
         elif peer:
             row(f"vLLM CPUOffloadingManager {p}, same run", peer)
-            add(f"| ratio hybridkv / vLLM {p} | " + " | ".join(f"{x[f] / peer[f]:.2f}x" for f in fields) + " |")
+            add(f"| ratio hybridkv / vLLM {p} | " + " | ".join(
+                "-" if peer[f] is None else f"{x[f] / peer[f]:.2f}x" for f in fields) + " |")
     if not peers:
         add("| vLLM | not measured in this run (no vLLM interpreter; see docs/vllm.md) | | |")
     add("")

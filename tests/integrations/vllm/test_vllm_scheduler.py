@@ -323,3 +323,14 @@ def test_a_worker_that_cannot_pin_the_regions_stops_the_engine_with_one_line(tmp
     with pytest.raises(PinningFailed, match=r"rank 0: .* cudaHostRegister failed 2 times \(error codes \[2, 2\]\)"):
         worker.store(plan)
     side.close()
+
+
+def test_start_up_names_the_tested_vllm_versions_and_warns_on_others(tmp_path, monkeypatch, caplog):
+    import vllm
+
+    fresh_scheduler(tmp_path).close()
+    assert "a version this release was tested with" in caplog.text
+    monkeypatch.setattr(vllm, "__version__", "0.99.0")
+    caplog.clear()
+    fresh_scheduler(tmp_path).close()
+    assert "vLLM 0.99.0 is not one this release was tested with (0.32.0)" in caplog.text

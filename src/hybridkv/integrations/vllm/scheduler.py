@@ -103,6 +103,7 @@ class SchedulerSide:
         self.history: deque[dict] = deque(maxlen=256)     # the last finished requests, for operators
         self._reported = {"loaded_tokens": 0, "stored_pages": 0}   # at the last stats call
         atexit.register(self.close)      # background writes reach disk even without shutdown()
+        check_vllm_version()
         log.info("hybridkv: layout %s, %d groups, RAM %d B, tiers %s%s", self.layout.fingerprint(),
                  len(self.layout.groups), config.ram_bytes,
                  [t.name for t in self.cache.secondaries] or "RAM only",
@@ -409,6 +410,22 @@ class SchedulerSide:
         return ", ".join(f"{t.name}: {tiers[t.name].get('writes', 0)} pages written, "
                          f"{tiers[t.name]['hits']} served, {tiers[t.name].get('write_errors', 0)} "
                          "write errors" for t in self.cache.secondaries) or "none"
+
+
+TESTED_VLLM = ("0.32.0",)
+
+
+def check_vllm_version() -> None:
+    """One start-up line naming the vLLM versions this release was tested with; a warning on
+    others (the connector touches a few of vLLM's internals: docs/vllm.md lists them)."""
+    import vllm
+
+    version = vllm.__version__.split("+")[0]
+    if version in TESTED_VLLM:
+        log.info("hybridkv: vLLM %s, a version this release was tested with", vllm.__version__)
+    else:
+        log.warning("hybridkv: vLLM %s is not one this release was tested with (%s); see the "
+                    "internals it relies on in docs/vllm.md", vllm.__version__, ", ".join(TESTED_VLLM))
 
 
 def async_promotion(extra: dict, vllm_config) -> bool:
