@@ -328,6 +328,7 @@ def test_a_worker_that_cannot_pin_the_regions_stops_the_engine_with_one_line(tmp
 def test_start_up_names_the_tested_vllm_versions_and_warns_on_others(tmp_path, monkeypatch, caplog):
     import vllm
 
+    caplog.set_level("INFO", logger="hybridkv")
     fresh_scheduler(tmp_path).close()
     assert "a version this release was tested with" in caplog.text
     monkeypatch.setattr(vllm, "__version__", "0.99.0")
