@@ -301,8 +301,13 @@ def test_a_lookup_waits_for_the_pack_tables_only_so_long(tmp_path, monkeypatch, 
     tier.close()
     monkeypatch.setattr(filesystem, "PACK_INDEX_WAIT_S", 0.05)
     held = HeldPackScan(tmp_path, LAYOUT)
+    waits = []
+    real_wait = held.packs_indexed.wait
+    held.packs_indexed.wait = lambda timeout: waits.append(timeout) or real_wait(timeout)
     assert held.contains(0, key(1)) is False            # a miss, not a stall
-    assert held.contains(0, key(2)) is False            # said once, not per lookup:
+    assert held.contains(0, key(2)) is False
+    assert 0 < waits[0] <= 0.05 and waits[1] == 0       # one deadline set at open, not one per lookup
+    # said once, not per lookup:
     assert [r.getMessage() for r in caplog.records].count(
         f"filesystem tier {held.namespace}: the pack tables are still being read after 0.1 s; "
         "their pages are misses until then") == 1

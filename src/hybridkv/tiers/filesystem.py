@@ -251,6 +251,7 @@ class FilesystemTier(SecondaryTier):
         self._gone: set[bytes] | None = set()      # page files dropped while the scan runs; None after
         self._fresh: set[bytes | Pack] | None = set()   # _lru keys used while it runs, not by it
         self.packs_indexed = threading.Event()     # the scan has indexed the packs (its first part)
+        self._packs_deadline = time.monotonic() + PACK_INDEX_WAIT_S   # lookups wait for them until then
         self._said_unindexed = False               # a lookup gave up waiting for it (logged once)
         self.scanned = threading.Event()           # the start-up scan has indexed the store
         self._closing = False
@@ -588,8 +589,10 @@ class FilesystemTier(SecondaryTier):
         keys = list(keys)
         # The scan reads the pack tables first: milliseconds for most stores, seconds for
         # millions of pages, where a miss (recompute) beats a long wait. Waiting before the
-        # stats below spares one per packed page.
-        if not self.packs_indexed.wait(PACK_INDEX_WAIT_S) and not self._said_unindexed:
+        # stats below spares one per packed page. The wait ends at one deadline set at open,
+        # not one per lookup: after it, lookups answer from what is indexed at once.
+        remaining = self._packs_deadline - time.monotonic()
+        if not self.packs_indexed.wait(max(0.0, remaining)) and not self._said_unindexed:
             self._said_unindexed = True
             log.warning("filesystem tier %s: the pack tables are still being read after %.1f s; "
                         "their pages are misses until then", self.namespace, PACK_INDEX_WAIT_S)
