@@ -1,12 +1,16 @@
 """The store admin commands (inspect, verify, gc) through the CLI."""
 
+import dataclasses
 import json
+import os
+import time
 
 from hybridkv.tiers import admin, pagefile
 from hybridkv.tiers.admin import verify_store
+from hybridkv.tiers.filesystem import FilesystemTier
 
 from helpers.cli import assert_one_line_error, cli
-from helpers.tier_worker import written_tier
+from helpers.tier_worker import LAYOUT, key, page, written_tier
 
 
 def test_inspect_verify_gc_cli(tmp_path):
@@ -63,3 +67,30 @@ def test_verify_beside_an_eviction_and_a_failing_disk_quarantines_nothing_health
     assert result == {"checked": 8, "ok": 6, "corrupt": 0, "quarantined": 0, "vanished": 1, "unreadable": 1}
     assert opened[1].exists()                 # the unreadable file stays where it is
 
+
+
+def test_gc_removes_namespaces_unused_for_days_and_size_gc_takes_old_namespaces_first(tmp_path):
+    """Every upgrade (model, vLLM, hybridkv) starts a new namespace and leaves the old one."""
+    old_layout = dataclasses.replace(LAYOUT, model="tier-test-before-the-upgrade")
+    old = FilesystemTier(tmp_path, old_layout)
+    for i in range(4):
+        assert old.write(0, key(i), page(0, i))
+    old.close()
+    written_tier(tmp_path, n=4).close()
+    month_ago = time.time() - 40 * 86400
+    for path in old.namespace.rglob("*"):
+        os.utime(path, (month_ago, month_ago), follow_symlinks=False)
+    listed = {ns["model"]: ns for ns in json.loads(cli("inspect", "--store", tmp_path, "--json").stdout)["namespaces"]}
+    assert listed["tier-test-before-the-upgrade"]["last_used"] < listed["tier-test"]["last_used"]
+
+    fits_new = str(listed["tier-test"]["total_bytes"])
+    by_size = json.loads(cli("gc", "--store", tmp_path, "--max-bytes", fits_new, "--json").stdout)
+    assert by_size["removed_files"] == 4 and by_size["removed_namespaces"] == []    # the old pages went first
+    assert json.loads(cli("verify", "--store", tmp_path, "--json").stdout)["ok"] == 8
+
+    (tmp_path / "keep").mkdir()                 # not a namespace: never touched
+    result = json.loads(cli("gc", "--store", tmp_path, "--unused-days", "30", "--json").stdout)
+    assert result["removed_namespaces"] == [old.namespace.name] and result["removed_files"] == 0
+    assert [ns["model"] for ns in json.loads(cli("inspect", "--store", tmp_path, "--json").stdout)["namespaces"]] == ["tier-test"]
+    assert (tmp_path / "keep").is_dir()
+    assert_one_line_error(cli("gc", "--store", tmp_path), "--max-bytes SIZE, --unused-days N or both")

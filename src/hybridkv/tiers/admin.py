@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -136,6 +138,7 @@ def inspect_store(store: str | Path) -> dict:
         out["namespaces"].append({
             "fingerprint": ns.name, "model": manifest.get("model"), "total_bytes": total,
             "groups": [groups[k] for k in sorted(groups)], "packs": packs, "quarantined": quarantined,
+            "last_used": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(last_used(ns, dirs))),
         })
     return out
 
@@ -179,17 +182,37 @@ def _verify_pack(path: Path) -> None:
             raise pagefile.CorruptPage(f"payload checksum mismatch at offset {offset}")
 
 
-def gc_store(store: str | Path, max_bytes: int, progress: bool = True) -> dict:
-    """Remove least recently used files (page files and packs, by mtime) until the store
-    fits ``max_bytes``."""
+def last_used(namespace: Path, dirs: StoreDirs) -> float:
+    """When a namespace was last written or read (engines refresh a page's mtime when they
+    use it): its newest file, or its manifest when it holds none."""
+    times = [st.st_mtime for _, st in _files(namespace, dirs)]
+    return max(times, default=(namespace / MANIFEST).lstat().st_mtime)
+
+
+def gc_store(store: str | Path, max_bytes: int | None = None, unused_days: float | None = None,
+             progress: bool = True) -> dict:
+    """Remove whole namespaces unused for ``unused_days`` (each upgrade of the model, vLLM or
+    hybridkv starts a new one and leaves the old behind), then the least recently used files
+    (page files and packs, by mtime, in every namespace: old namespaces' files go first) until
+    the store fits ``max_bytes``."""
     dirs, namespaces = open_store(store)
+    removed_namespaces, freed_namespaces = [], 0
+    if unused_days is not None:
+        cutoff = time.time() - unused_days * 86400
+        for ns, _ in namespaces:
+            if last_used(ns, dirs) < cutoff:
+                freed_namespaces += sum(st.st_size for _, st in _files(ns, dirs))
+                shutil.rmtree(ns)           # checked by open_store: a directory of the store's own
+                removed_namespaces.append(ns.name)
+        namespaces = [(ns, m) for ns, m in namespaces if ns.name not in removed_namespaces]
     files = []
     for ns, _ in namespaces:
         for path, st in _files(ns, dirs):
             files.append((st.st_mtime_ns, st.st_size, path))
     files.sort()
     total = sum(size for _, size, _ in files)
-    removed = freed = 0
+    max_bytes = total if max_bytes is None else max_bytes
+    removed, freed = 0, freed_namespaces
     with progress_bar(len(files), "collecting", progress) as bar:
         for _, size, path in files:
             if total <= max_bytes:
@@ -202,4 +225,5 @@ def gc_store(store: str | Path, max_bytes: int, progress: bool = True) -> dict:
             freed += size
             removed += 1
             bar.update()
-    return {"removed_files": removed, "freed_bytes": freed, "total_bytes": total}
+    return {"removed_namespaces": removed_namespaces, "removed_files": removed, "freed_bytes": freed,
+            "total_bytes": total}

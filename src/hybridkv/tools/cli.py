@@ -98,12 +98,17 @@ def _cmd_verify(args) -> int:
 def _cmd_gc(args) -> int:
     from hybridkv.tiers.admin import gc_store
 
-    result = gc_store(args.store, parse_size(args.max_bytes, "--max-bytes"), progress=not args.json)
+    if args.max_bytes is None and args.unused_days is None:
+        raise HybridKVError("gc needs --max-bytes SIZE, --unused-days N or both")
+    if args.unused_days is not None and not args.unused_days >= 0:
+        raise HybridKVError(f"--unused-days must be a number of days >= 0, got {args.unused_days}")
+    max_bytes = None if args.max_bytes is None else parse_size(args.max_bytes, "--max-bytes")
+    result = gc_store(args.store, max_bytes, args.unused_days, progress=not args.json)
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"removed {result['removed_files']} files, freed {format_size(result['freed_bytes'])}; "
-              f"store now {format_size(result['total_bytes'])}")
+        print(f"removed {len(result['removed_namespaces'])} unused namespaces and {result['removed_files']} "
+              f"files, freed {format_size(result['freed_bytes'])}; store now {format_size(result['total_bytes'])}")
     return 0
 
 
@@ -316,9 +321,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_verify)
 
-    p = sub.add_parser("gc", help="evict least recently used pages down to a size")
+    p = sub.add_parser("gc", help="remove namespaces unused for N days; evict least recently used pages down to a size")
     p.add_argument("--store", required=True)
-    p.add_argument("--max-bytes", required=True, help="e.g. 100GiB")
+    p.add_argument("--max-bytes", help="e.g. 100GiB: the whole store's size after gc")
+    p.add_argument("--unused-days", type=float, help="remove namespaces (old models or versions) not used for N days")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_gc)
 
