@@ -206,7 +206,8 @@ def test_admin_commands_keep_a_group_stores_rules(shared_dir):
         f.write(b"\x00" if f.read(1) != b"\x00" else b"\x01")
     proc = cli("verify", "--store", store, "--json")
     assert proc.returncode == 1, proc.stderr
-    assert json.loads(proc.stdout) == {"checked": 3, "ok": 2, "corrupt": 1, "quarantined": 1}
+    assert json.loads(proc.stdout) == {"checked": 3, "ok": 2, "corrupt": 1, "quarantined": 1, "vanished": 0,
+                                       "unreadable": 0}
     assert stat.S_IMODE(os.lstat(tier.namespace / "quarantine").st_mode) == 0o2770
     proc = cli("gc", "--store", store, "--max-bytes", "0", "--json")
     assert proc.returncode == 0, proc.stderr
