@@ -47,7 +47,7 @@ if [ -n "$vllm_pid" ]; then
   vllm_pid=
   # after .venv's install: both editable installs build the compiled pool into src/
   echo "setup: installing hybridkv into .venv-vllm"
-  .venv-vllm/bin/python -m pip install -q -e . "redis>=5.0" "hiredis>=2.0" "pytest>=8.0" "pytest-xdist>=3.5" "openai>=1.0"
+  .venv-vllm/bin/python -m pip install -q -e . "redis>=5.0" "hiredis>=2.0" "pytest>=8.0" "pytest-xdist>=3.5" "pytest-timeout>=2.2" "openai>=1.0"
   touch .venv-vllm/.hybridkv-installed
 fi
 

@@ -21,7 +21,6 @@ class Lookup(Enum):
     MISS = "miss"
     HIT = "hit"
     HIT_PENDING = "hit_pending"   # being written: ask again next step
-    RETRY = "retry"               # a secondary tier has not answered yet
 
 
 MISS, HIT, HIT_PENDING = Lookup.MISS, Lookup.HIT, Lookup.HIT_PENDING

@@ -67,10 +67,6 @@ def verify(header: bytes, payload, group: int, key: bytes) -> None:
         raise CorruptPage("payload checksum mismatch")
 
 
-def encode(group: int, key: bytes, payload) -> bytes:
-    return make_header(group, key, payload) + bytes(payload)
-
-
 def decode(blob: bytes, group: int, key: bytes) -> memoryview:
     """Verify a whole page and return a view of its payload."""
     view = memoryview(blob)
