@@ -126,7 +126,9 @@ def test_store_serves_before_its_scan_ends_and_keeps_order_and_quota_after(tmp_p
     paused = PausedScan(tmp_path, LAYOUT, max_bytes=4 * size)
     out = np.empty(4096, np.uint8)
     assert not paused.scanned.is_set()
-    assert paused.contains(0, key(1)) and paused.stats["disk_lookups"] == 1   # found by stat
+    assert not paused.contains(0, key(1))               # index-only: the lookup never waits on the disk,
+    assert paused.wait_discovered(30)                  # the background looks for what it missed
+    assert paused.contains(0, key(1)) and paused.stats["disk_lookups"] == 1   # found by one stat
     assert paused.read(0, key(1), out) and np.array_equal(out, page(0, 1))
     page_path(paused.namespace, 0, key(2)).unlink()     # another process removed it
     assert not paused.read(0, key(2), out)               # forgotten: the scan must not revive it

@@ -231,6 +231,8 @@ def test_a_pack_another_process_wrote_is_found_without_a_restart(tmp_path):
     assert tier.wait_scanned(30) and not tier.contains(1, key(7))
     assert worker("write", tmp_path, 20).returncode == 0                 # writes through a cache
     assert packs(tier)
+    assert not tier.contains(1, key(7))          # the lookup misses, and the background lists
+    assert tier.wait_discovered(30)              # the new packs: the next lookup finds them
     assert tier.contains(1, key(7)) and all(read_all(tier, range(20)))
     tier.close()
 
@@ -238,13 +240,15 @@ def test_a_pack_another_process_wrote_is_found_without_a_restart(tmp_path):
 def test_misses_relist_a_packs_directory_others_write_to_at_most_so_often(tmp_path, monkeypatch):
     tier = FilesystemTier(tmp_path, LAYOUT)
     write_packed(tier, range(2))                 # our own pack changes the directory too
-    assert tier.wait_scanned(30) and not tier.contains(1, key(7))
+    assert tier.wait_scanned(30) and not tier.contains(1, key(7)) and tier.wait_discovered(30)
     listings = tier.stats["pack_listings"]
     monkeypatch.setattr(filesystem, "PACK_RELIST_S", 600)
     assert worker("write", tmp_path, 20).returncode == 0
+    assert not tier.contains(1, key(7)) and tier.wait_discovered(30)
     assert not tier.contains(1, key(7))          # listed too recently: a miss, not a wrong hit
-    assert tier.stats["pack_listings"] == listings
+    assert tier.wait_discovered(30) and tier.stats["pack_listings"] == listings
     monkeypatch.setattr(filesystem, "PACK_RELIST_S", 0)
+    assert not tier.contains(1, key(7)) and tier.wait_discovered(30)
     assert tier.contains(1, key(7)) and all(read_all(tier, range(20)))
     assert tier.stats["pack_listings"] == listings + 1
     tier.close()

@@ -62,7 +62,7 @@ def test_symlink_in_place_of_a_page_is_a_miss_and_never_followed(tmp_path):
     # a new process's scan does not index a symlink either
     path.symlink_to(target)
     again = FilesystemTier(tmp_path / "store", LAYOUT, direct=False)
-    assert not again.contains(1, key(4)) and again.contains(1, key(3))
+    assert again.wait_scanned(30) and not again.contains(1, key(4)) and again.contains(1, key(3))
     again.close()
 
 

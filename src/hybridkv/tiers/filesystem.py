@@ -54,6 +54,7 @@ RUN_BYTES = 4 << 20         # the largest read of adjacent packed pages in one r
 RUN_PAGES = 512             # and its most pages (a page and its padding: two of IOV_MAX 1024)
 PACK_INDEX_WAIT_S = 1.0     # a lookup at start-up waits this long for the pack tables, then misses
 PACK_RELIST_S = 0.1         # misses relist a packs directory others write to at most this often
+DISCOVER_KEYS = 4096        # keys the lookups' background discovery holds at most (more: later misses)
 
 
 class Pack:
@@ -253,6 +254,9 @@ class FilesystemTier(SecondaryTier):
         self.packs_indexed = threading.Event()     # the scan has indexed the packs (its first part)
         self._packs_deadline = time.monotonic() + PACK_INDEX_WAIT_S   # lookups wait for them until then
         self._said_unindexed = False               # a lookup gave up waiting for it (logged once)
+        self._undiscovered: set[bytes] = set()     # keys lookups missed, for the background to look for
+        self._discovered = threading.Event()       # set while that discovery is idle
+        self._discovered.set()
         self.scanned = threading.Event()           # the start-up scan has indexed the store
         self._closing = False
         self._start = process_start_time(os.getpid())
@@ -582,15 +586,17 @@ class FilesystemTier(SecondaryTier):
 
     # -- lookups --------------------------------------------------------------------------
     def contains(self, group: int, key: bytes) -> bool:
-        """From the index; a page another process wrote since our scan is picked up too."""
+        """From the index (see ``contains_many``)."""
         return self.contains_many(group, [key])[0]
 
     def contains_many(self, group: int, keys) -> list[bool]:
+        """From the index only: a lookup runs on the engine's scheduler thread and never waits
+        for the disk. Keys it misses go to ``_discover``, so pages another process wrote since
+        the scan (or that the scan has not reached) are found by a later lookup."""
         keys = list(keys)
         # The scan reads the pack tables first: milliseconds for most stores, seconds for
-        # millions of pages, where a miss (recompute) beats a long wait. Waiting before the
-        # stats below spares one per packed page. The wait ends at one deadline set at open,
-        # not one per lookup: after it, lookups answer from what is indexed at once.
+        # millions of pages, where a miss (recompute) beats a long wait. The wait ends at one
+        # deadline set at open, not one per lookup: after it, lookups answer at once.
         remaining = self._packs_deadline - time.monotonic()
         if not self.packs_indexed.wait(max(0.0, remaining)) and not self._said_unindexed:
             self._said_unindexed = True
@@ -598,25 +604,44 @@ class FilesystemTier(SecondaryTier):
                         "their pages are misses until then", self.namespace, PACK_INDEX_WAIT_S)
         with self._lock:
             found = [where is not None for where in self._locate(group, keys)]
-            unknown = [n for n, ok in enumerate(found) if not ok and _ident(group, keys[n]) not in self._bad]
-            self.stats["disk_lookups"] += len(unknown)   # maybe another process wrote them
-        on_disk = {n: size for n in unknown
-                   if (size := regular_size(page_file(self._namespace_str, group, keys[n]))) is not None}
-        if on_disk:
+            unknown = [_ident(group, keys[n]) for n, ok in enumerate(found)
+                       if not ok and _ident(group, keys[n]) not in self._bad]
+        if unknown:
+            self._discover(unknown)
+        return found
+
+    def _discover(self, idents: list[bytes]) -> None:
+        """Look for pages lookups missed off the lookup path: an I/O thread stats their files
+        and lists new packs, one job at a time; the lookup that missed recomputes."""
+        with self._lock:
+            self._undiscovered.update(idents[:max(0, DISCOVER_KEYS - len(self._undiscovered))])
+            if not self._discovered.is_set():
+                return                    # the running job takes these too
+            self._discovered.clear()
+        self._io.submit(WRITE, self._discover_job)
+
+    def _discover_job(self) -> None:
+        while True:
+            with self._lock:              # taking the keys and going idle are one step
+                idents, self._undiscovered = self._undiscovered, set()
+                if not idents or self._closing:
+                    self._discovered.set()
+                    return
+                self.stats["disk_lookups"] += len(idents)
+            on_disk = {ident: size for ident in idents
+                       if (size := regular_size(page_file(self._namespace_str, *_group_key(ident)))) is not None}
             dead = []
             with self._lock:
-                for n, where in zip(on_disk, self._locate(group, [keys[n] for n in on_disk]), strict=True):
-                    if where is None:
-                        dead += self._put_file(_ident(group, keys[n]), self._size(on_disk[n]))
-                    found[n] = True
+                for ident, size in on_disk.items():
+                    group, key = _group_key(ident)
+                    if self._locate(group, [key])[0] is None:
+                        dead += self._put_file(ident, self._size(size))
             self._remove(dead)
-        if not all(found):
             self._list_new_packs()
-            missed = [n for n, ok in enumerate(found) if not ok]
-            with self._lock:
-                for n, where in zip(missed, self._locate(group, [keys[n] for n in missed]), strict=True):
-                    found[n] = where is not None
-        return found
+
+    def wait_discovered(self, timeout: float) -> bool:
+        """Wait until the keys lookups missed so far have been looked for (tools, tests)."""
+        return self._discovered.wait(timeout)
 
     def _list_new_packs(self) -> None:
         """Index packs other processes wrote since we last listed: one ``stat`` when the

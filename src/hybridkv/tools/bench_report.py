@@ -102,7 +102,7 @@ def tables(res: dict) -> str:
                 f"{st['index_bytes_per_page']:.0f} |")
         add("\nThe scan runs in the background: lookups are served from the first millisecond. It reads "
             "each pack's table first (one read a pack) and serves the packed pages, then walks the page "
-            "files (a key not yet indexed costs one `stat`) and orders everything by mtime. Directory "
+            "files (a key not yet indexed is a miss, looked for in the background) and orders everything by mtime. Directory "
             "caches are warm for both the scan and the raw walk.\n")
     if "remote" in res:
         _table(add, "Remote tier (Redis on loopback)", "| value size | | SET GB/s | GET GB/s |", "|---|---|---:|---:|")
