@@ -18,5 +18,6 @@ mkdir -p docs/img
 # Into a temp file first: a failed or interrupted run keeps the last good results.
 .venv/bin/hybridkv bench "$@" "${remote[@]}" --plot docs/img --json > docs/bench.json.tmp
 mv docs/bench.json.tmp docs/bench.json
+.venv/bin/python -m hybridkv.tools.bench_lookup --out docs/bench_lookup.json   # about a minute
 .venv/bin/python -m hybridkv.tools.bench_report docs/bench.json docs/benchmarks.md
 echo "wrote docs/benchmarks.md"

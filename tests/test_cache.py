@@ -42,6 +42,7 @@ def test_wait_written_lands_held_writes_from_another_thread_without_touching_the
         assert landed == [True]
         assert cache.pools.pool(1).refs_of(key(2)) == 1    # still pinned: only poll unpins
         other = FilesystemTier(tmp_path, LAYOUT)            # another process's view of the disk
+        assert other.wait_ready(30)
         try:
             assert other.contains_many(1, [key(i) for i in range(3)]) == [True] * 3
         finally:

@@ -30,6 +30,7 @@ from hybridkv.tiers.base import SecondaryTier, open_tiers
 from hybridkv.tiers.io_queue import batches_of, outcomes
 
 log = logging.getLogger(__name__)
+TIER_READY_WAIT_S = 10.0     # at start-up, how long a tier may take to see what it holds
 RAM = "ram"
 
 
@@ -115,6 +116,8 @@ class TieredCache:
             raise
         for tier in self.secondaries:
             self.counters[tier.name] = TierCounters()
+            if not pageless:      # a restart's first request finds what the store holds
+                tier.wait_ready(TIER_READY_WAIT_S)
 
     @property
     def tier_names(self) -> list[str]:

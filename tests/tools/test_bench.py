@@ -94,3 +94,15 @@ def test_vllm_table_names_the_machine_when_the_run_recorded_it():
     text = vllm_table(results)
     assert text.startswith("Machine: AMD EPYC, 2 cores; vLLM 0.32.0, torch 2.13.0+cpu.")
     assert "| lfm2 | 2,048 | 200 ms (0 cached) |" in text and "| 8.0x / 4.0x |" in text
+
+
+def test_the_lookup_benchmark_times_lookups_during_and_after_a_scan_against_ram_only(tmp_path):
+    from hybridkv.tools.bench_lookup import main
+
+    out = tmp_path / "lookup.json"
+    assert main(["--pages", "3000", "--files", "300", "--tokens", "1024", "--requests", "5", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["pages"] == 3000 and result["ready_s"] > 0
+    for key in ("after_scan", "ram_only"):
+        assert result[key]["lookups"] == 5 and 0 < result[key]["p50_ms"] <= result[key]["max_ms"]
+    assert result["background_stats"] > 0             # the misses were looked for off the thread

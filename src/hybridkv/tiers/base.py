@@ -41,6 +41,12 @@ class SecondaryTier(ABC):
     def flush(self) -> None:  # noqa: B027 - optional: most tiers hold nothing back
         """A natural end of a batch (a request finished): write what is being held back."""
 
+    def wait_ready(self, timeout: float) -> bool:
+        """Wait, at most ``timeout`` s, until lookups can see what the tier held at open (a
+        store's start-up scan indexes it in the background). Engines call it once at start-up:
+        lookups themselves never wait, they answer from what is known."""
+        return True
+
     @abstractmethod
     def close(self) -> None:
         """Finish queued work and release files, threads and connections."""

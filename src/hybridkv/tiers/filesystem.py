@@ -52,7 +52,6 @@ PACK_BYTES = 8 << 20        # a pack is written once its pages reach this size,
 PACK_LINGER_S = 1.0         # or this long after its first page, or at a flush (a request ended)
 RUN_BYTES = 4 << 20         # the largest read of adjacent packed pages in one request,
 RUN_PAGES = 512             # and its most pages (a page and its padding: two of IOV_MAX 1024)
-PACK_INDEX_WAIT_S = 1.0     # a lookup at start-up waits this long for the pack tables, then misses
 PACK_RELIST_S = 0.1         # misses relist a packs directory others write to at most this often
 DISCOVER_KEYS = 4096        # keys the lookups' background discovery holds at most (more: later misses)
 
@@ -252,8 +251,6 @@ class FilesystemTier(SecondaryTier):
         self._gone: set[bytes] | None = set()      # page files dropped while the scan runs; None after
         self._fresh: set[bytes | Pack] | None = set()   # _lru keys used while it runs, not by it
         self.packs_indexed = threading.Event()     # the scan has indexed the packs (its first part)
-        self._packs_deadline = time.monotonic() + PACK_INDEX_WAIT_S   # lookups wait for them until then
-        self._said_unindexed = False               # a lookup gave up waiting for it (logged once)
         self._undiscovered: set[bytes] = set()     # keys lookups missed, for the background to look for
         self._discovered = threading.Event()       # set while that discovery is idle
         self._discovered.set()
@@ -353,27 +350,40 @@ class FilesystemTier(SecondaryTier):
                             self._scan_entry(entry, group, mtimes, idents, sizes)
                 except OSError:
                     continue
+        # Ordering a million entries takes a few hundred ms: it runs outside the lock, on a
+        # snapshot, and only what changed meanwhile is reconciled under it, so a lookup (on
+        # the engine's scheduler thread) never waits for the ordering.
         with self._lock:
             skip = set()       # page files whose page is packed too: the pack's copy serves
             for group, positions in _by_group([_group_key(i)[0] for i in idents]).items():
                 locs = self._find_packed(group, [idents[n][2:] for n in positions])[1]
                 skip.update(positions[i] for i in np.flatnonzero(locs >= 0).tolist())
-            dead = [page_file(self._namespace_str, *_group_key(idents[n])) for n in skip]
-            stamps, keys, values = [], [], []
-            for n, ident in enumerate(idents):  # not those dropped or indexed meanwhile
-                if n not in skip and ident not in self._gone and ident not in self._lru:
-                    stamps.append(mtimes[n])
-                    keys.append(ident)
-                    values.append(sizes[n])
-            self._files += len(keys)
-            self._bytes += sum(values)
-            for pack, mtime in packed:
-                if pack in self._lru and pack not in self._fresh:
-                    stamps.append(mtime)
-                    keys.append(pack)
-                    values.append(pack.nbytes)
-            order = np.argsort(np.array(stamps, np.int64), kind="stable").tolist()
-            ordered = OrderedDict((keys[i], values[i]) for i in order)
+            gone, known, fresh = set(self._gone), set(self._lru), set(self._fresh)
+        dead = [page_file(self._namespace_str, *_group_key(idents[n])) for n in skip]
+        stamps, keys, values = [], [], []
+        for n, ident in enumerate(idents):  # not those dropped or indexed meanwhile
+            if n not in skip and ident not in gone and ident not in known:
+                stamps.append(mtimes[n])
+                keys.append(ident)
+                values.append(sizes[n])
+        for pack, mtime in packed:
+            if pack in known and pack not in fresh:
+                stamps.append(mtime)
+                keys.append(pack)
+                values.append(pack.nbytes)
+        order = np.argsort(np.array(stamps, np.int64), kind="stable").tolist()
+        ordered = OrderedDict((keys[i], values[i]) for i in order)
+        files = [(key, size) for key, size in zip(keys, values, strict=True) if not isinstance(key, Pack)]
+        n_files, n_bytes = len(files), sum(size for _, size in files)
+        with self._lock:
+            # dropped since the snapshot; indexed, used or unpacked since (the latter go last)
+            changed = (self._gone - gone) | (self._fresh - fresh) | (self._lru.keys() ^ known)
+            for key in changed:
+                size = ordered.pop(key, None)
+                if size is not None and not isinstance(key, Pack):
+                    n_files, n_bytes = n_files - 1, n_bytes - size
+            self._files += n_files
+            self._bytes += n_bytes
             for key, value in self._lru.items():   # used since start-up: the most recent
                 ordered.setdefault(key, value)
             self._lru, self._gone, self._fresh = ordered, None, None
@@ -594,14 +604,6 @@ class FilesystemTier(SecondaryTier):
         for the disk. Keys it misses go to ``_discover``, so pages another process wrote since
         the scan (or that the scan has not reached) are found by a later lookup."""
         keys = list(keys)
-        # The scan reads the pack tables first: milliseconds for most stores, seconds for
-        # millions of pages, where a miss (recompute) beats a long wait. The wait ends at one
-        # deadline set at open, not one per lookup: after it, lookups answer at once.
-        remaining = self._packs_deadline - time.monotonic()
-        if not self.packs_indexed.wait(max(0.0, remaining)) and not self._said_unindexed:
-            self._said_unindexed = True
-            log.warning("filesystem tier %s: the pack tables are still being read after %.1f s; "
-                        "their pages are misses until then", self.namespace, PACK_INDEX_WAIT_S)
         with self._lock:
             found = [where is not None for where in self._locate(group, keys)]
             unknown = [_ident(group, keys[n]) for n, ok in enumerate(found)
@@ -639,6 +641,16 @@ class FilesystemTier(SecondaryTier):
             self._remove(dead)
             self._list_new_packs()
 
+    def wait_ready(self, timeout: float) -> bool:
+        """The scan reads the pack tables first: milliseconds for most stores, about a second
+        for a million packed pages. Engines wait for that part once, at start-up; if it takes
+        longer, the pages of the packs not read yet are misses until it has (said once)."""
+        if self.packs_indexed.wait(timeout):
+            return True
+        log.warning("filesystem tier %s: the pack tables are still being read after %.0f s; "
+                    "their pages are misses until then", self.namespace, timeout)
+        return False
+
     def wait_discovered(self, timeout: float) -> bool:
         """Wait until the keys lookups missed so far have been looked for (tools, tests)."""
         return self._discovered.wait(timeout)
@@ -673,7 +685,9 @@ class FilesystemTier(SecondaryTier):
                         self._add_packs([(pack, table)], newest=False)
 
     def locate(self, group: int, key: bytes) -> tuple[str, int] | None:
-        """The file holding a page and the offset of its payload there (tools, tests)."""
+        """The file holding a page and the offset of its payload there (tools, tests: it waits
+        for the start-up scan, as no lookup does)."""
+        self.wait_scanned(60)
         if not self.contains(group, key):
             return None
         with self._lock:

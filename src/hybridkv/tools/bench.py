@@ -215,28 +215,35 @@ def _timed_reads(tier, items) -> float:
     return time.perf_counter() - t
 
 
+def make_file_store(root: Path, layout, pages: int, first: int = 0) -> Path:
+    """``pages`` page files of group 0 (keys ``first``...), 64 B each: a scan reads names and
+    stat, not contents, so small files suffice. Returns the namespace directory."""
+    from hybridkv.tiers.filesystem import FilesystemTier, page_file
+
+    empty = FilesystemTier(root, layout)    # creates the namespace with the store's modes
+    empty.close()
+    namespace = str(empty.namespace)
+    blob = b"\0" * 64
+    for i in range(first, first + pages):
+        path = page_file(namespace, 0, i.to_bytes(16, "big"))
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+        except FileNotFoundError:
+            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+        os.write(fd, blob)
+        os.close(fd)
+    return empty.namespace
+
+
 def bench_fs_startup(pages: int = 200_000, page_bytes: int = 32 * 1024) -> dict:
     """Opening a store of ``pages`` page files: time until the tier serves, until its
     background scan has indexed every page, and the index's bytes per page; the ceiling is
     a raw ``scandir`` + ``lstat`` walk of the same files (all with warm directory caches)."""
-    from hybridkv.tiers.filesystem import FilesystemTier, page_file
-
     layout = _page_layout(page_bytes)
     root = Path(tempfile.mkdtemp(prefix="hybridkv-bench-startup-"))
     try:
-        empty = FilesystemTier(root, layout)    # creates the namespace with the store's modes
-        empty.close()
-        namespace = str(empty.namespace)
-        blob = b"\0" * 64        # the scan reads names and stat, not contents: small files suffice
-        for i in range(pages):
-            path = page_file(namespace, 0, i.to_bytes(16, "big"))
-            try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
-            except FileNotFoundError:
-                os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
-            os.write(fd, blob)
-            os.close(fd)
+        namespace = str(make_file_store(root, layout, pages))
 
         def raw_walk() -> float:
             t = time.perf_counter()
@@ -280,29 +287,34 @@ def _time_opening(root: Path, layout) -> dict:
             "index_bytes": index_bytes}
 
 
-def bench_fs_startup_packed(pages: int = 1_000_000, page_bytes: int = 32 * 1024, per_pack: int = 256) -> dict:
-    """Opening a store of ``pages`` small pages in packs (as the tier writes them): time until
-    it serves, until the packed pages are served (the scan reads each pack's table first),
-    until everything is ordered, and the index's bytes per page. The packs are sparse files
-    with real tables: the scan reads tables, not pages."""
+def make_packed_store(root: Path, layout, pages: int, page_bytes: int = 32 * 1024, per_pack: int = 256) -> None:
+    """A store of ``pages`` pages of group 0 in packs, as the tier writes them: sparse files
+    with real tables (a scan reads tables, not pages)."""
     from hybridkv.tiers import packfile
     from hybridkv.tiers.filesystem import PACKS, FilesystemTier
 
+    empty = FilesystemTier(root, layout)
+    empty.close()
+    packs = empty.namespace / PACKS
+    packs.mkdir(mode=0o700)
+    span = packfile.aligned(page_bytes)
+    for first in range(0, pages, per_pack):
+        count = min(per_pack, pages - first)
+        table = packfile.encode_table(packfile.make_table(
+            [(0, (first + i).to_bytes(16, "big"), i * span, page_bytes, 0) for i in range(count)]))
+        fd = os.open(packs / f"{first:016x}{packfile.SUFFIX}", os.O_WRONLY | os.O_CREAT, 0o600)
+        os.pwrite(fd, table, count * span)
+        os.close(fd)
+
+
+def bench_fs_startup_packed(pages: int = 1_000_000, page_bytes: int = 32 * 1024, per_pack: int = 256) -> dict:
+    """Opening a store of ``pages`` small pages in packs (as the tier writes them): time until
+    it serves, until the packed pages are served (the scan reads each pack's table first),
+    until everything is ordered, and the index's bytes per page."""
     layout = _page_layout(page_bytes)
     root = Path(tempfile.mkdtemp(prefix="hybridkv-bench-packed-"))
     try:
-        empty = FilesystemTier(root, layout)
-        empty.close()
-        packs = empty.namespace / PACKS
-        packs.mkdir(mode=0o700)
-        span = packfile.aligned(page_bytes)
-        for first in range(0, pages, per_pack):
-            count = min(per_pack, pages - first)
-            table = packfile.encode_table(packfile.make_table(
-                [(0, (first + i).to_bytes(16, "big"), i * span, page_bytes, 0) for i in range(count)]))
-            fd = os.open(packs / f"{first:016x}{packfile.SUFFIX}", os.O_WRONLY | os.O_CREAT, 0o600)
-            os.pwrite(fd, table, count * span)
-            os.close(fd)
+        make_packed_store(root, layout, pages, page_bytes, per_pack)
         opening = _time_opening(root, layout)
     finally:
         shutil.rmtree(root, ignore_errors=True)

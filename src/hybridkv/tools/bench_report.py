@@ -390,6 +390,12 @@ def write_page(results_path: str, page_path: str) -> None:
         vllm = json.loads(through_vllm.read_text())
         text += ("\n### Through stock vLLM (`docs/bench_vllm.json`)\n\n" + vllm_table(vllm)
                  + "\n\n" + vllm_summary(vllm) + "\n")
+    lookup = Path(results_path).with_name("bench_lookup.json")
+    if lookup.exists():
+        from hybridkv.tools.bench_lookup import table as lookup_table
+
+        text += ("\n### Lookups on the scheduler thread (`python -m hybridkv.tools.bench_lookup`, "
+                 "`docs/bench_lookup.json`)\n\n" + lookup_table(json.loads(lookup.read_text())) + "\n")
     gpu = Path(results_path).with_name("gpu_check.json")
     text += gpu_section(json.loads(gpu.read_text()) if gpu.exists() else None)
     Path(page_path).write_text(text + CHARTS)
