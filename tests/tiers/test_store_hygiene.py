@@ -17,7 +17,7 @@ from hybridkv.tiers.admin import gc_store, inspect_store, verify_store
 from hybridkv.tiers.filesystem import FilesystemTier, page_path
 
 from helpers.cli import assert_one_line_error, cli
-from helpers.tier_worker import LAYOUT, key, page
+from helpers.tier_worker import LAYOUT, key, page, written_tier
 
 
 def test_short_writes_are_resumed_until_the_page_is_whole(tmp_path, monkeypatch):
@@ -200,4 +200,18 @@ def test_store_that_went_read_only_logs_once_and_stops_writing(tmp_path, caplog,
         results = [tier.write(0, key(i), page(0, i)) for i in range(5)]
     assert results == [False] * 5 and tier.read_only
     assert len([r for r in caplog.records if "could not write" in r.message]) == 1
+    tier.close()
+
+
+def test_a_read_only_store_over_its_quota_keeps_serving_every_page(tmp_path, monkeypatch):
+    """Its files cannot be removed: evicting them from the index only lost live pages, and
+    the failed unlink (EROFS) killed the scan thread."""
+    written_tier(tmp_path / "store", n=4).close()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: False if mode == os.W_OK else real_access(path, mode, **kw))
+    tier = FilesystemTier(tmp_path / "store", LAYOUT, max_bytes=1)
+    assert tier.read_only and tier.wait_scanned(30)
+    out = np.empty(LAYOUT.group(1).page_bytes, np.uint8)
+    assert all(tier.contains(1, key(i)) and tier.read(1, key(i), out) for i in range(4))
+    assert tier.stats["evictions"] == 0
     tier.close()

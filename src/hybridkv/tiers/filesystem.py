@@ -1092,8 +1092,9 @@ class FilesystemTier(SecondaryTier):
     def _enforce_quota(self, keep: bytes | Pack | None) -> None:
         """Evict from the LRU end down to the quota (a packed page takes its whole pack along);
         the file just written stays, even alone over quota. Not before the scan has ordered
-        the store."""
-        if self.max_bytes is None or self._gone is not None:
+        the store, and never in a read-only store: its files cannot go, so its index keeps
+        every page that is there."""
+        if self.max_bytes is None or self._gone is not None or self.read_only:
             return
         victims, kept, evicted = [], None, 0
         with self._lock:               # O(evicted) per write: the LRU end of the order, no scan
