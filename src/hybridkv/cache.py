@@ -111,13 +111,13 @@ class TieredCache:
                                 for gid, slots in self.plan.slots_per_group().items()}
             else:
                 self._open_regions(pin_hook)
+            for tier in self.secondaries:
+                self.counters[tier.name] = TierCounters()
+                if not pageless:  # a restart's first request finds what the store holds
+                    tier.wait_ready(TIER_READY_WAIT_S)
         except BaseException:
             self.close()
             raise
-        for tier in self.secondaries:
-            self.counters[tier.name] = TierCounters()
-            if not pageless:      # a restart's first request finds what the store holds
-                tier.wait_ready(TIER_READY_WAIT_S)
 
     @property
     def tier_names(self) -> list[str]:

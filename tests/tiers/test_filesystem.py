@@ -207,3 +207,11 @@ def test_direct_io_and_buffered_agree(tmp_path):
             assert tier.read(1, key(5), out) and np.array_equal(out, page(1, 5))
         finally:
             tier.close()
+
+
+def test_a_lookup_racing_close_neither_raises_nor_leaves_the_background_stuck(tmp_path):
+    tier = FilesystemTier(tmp_path, LAYOUT)
+    assert tier.wait_scanned(30)
+    tier.close()
+    assert tier.contains(0, key(1)) is False          # an engine thread still asking
+    assert tier.wait_discovered(1)

@@ -354,12 +354,8 @@ class FilesystemTier(SecondaryTier):
         # snapshot, and only what changed meanwhile is reconciled under it, so a lookup (on
         # the engine's scheduler thread) never waits for the ordering.
         with self._lock:
-            skip = set()       # page files whose page is packed too: the pack's copy serves
-            for group, positions in _by_group([_group_key(i)[0] for i in idents]).items():
-                locs = self._find_packed(group, [idents[n][2:] for n in positions])[1]
-                skip.update(positions[i] for i in np.flatnonzero(locs >= 0).tolist())
+            skip = set(self._packed_among(idents))   # files whose page a pack holds: it serves
             gone, known, fresh = set(self._gone), set(self._lru), set(self._fresh)
-        dead = [page_file(self._namespace_str, *_group_key(idents[n])) for n in skip]
         stamps, keys, values = [], [], []
         for n, ident in enumerate(idents):  # not those dropped or indexed meanwhile
             if n not in skip and ident not in gone and ident not in known:
@@ -378,6 +374,14 @@ class FilesystemTier(SecondaryTier):
         with self._lock:
             # dropped since the snapshot; indexed, used or unpacked since (the latter go last)
             changed = (self._gone - gone) | (self._fresh - fresh) | (self._lru.keys() ^ known)
+            if any(isinstance(key, Pack) for key in self._lru.keys() - known):
+                # a pack written meanwhile may hold a scanned file's page: its copy serves
+                scanned = [key for key in ordered if not isinstance(key, Pack)]
+                now_packed = [scanned[n] for n in self._packed_among(scanned)]
+                changed |= set(now_packed)
+                skip_idents = [idents[n] for n in skip] + now_packed
+            else:
+                skip_idents = [idents[n] for n in skip]
             for key in changed:
                 size = ordered.pop(key, None)
                 if size is not None and not isinstance(key, Pack):
@@ -387,7 +391,18 @@ class FilesystemTier(SecondaryTier):
             for key, value in self._lru.items():   # used since start-up: the most recent
                 ordered.setdefault(key, value)
             self._lru, self._gone, self._fresh = ordered, None, None
+            # a file is stale only if its page is still packed and not indexed as a file now
+            still = [skip_idents[n] for n in self._packed_among(skip_idents)]
+            dead = [page_file(self._namespace_str, *_group_key(i)) for i in still if i not in self._lru]
         self._remove(dead)
+
+    def _packed_among(self, idents: list[bytes]) -> list[int]:
+        """Positions in ``idents`` of the pages a pack holds (callers hold self._lock)."""
+        found = []
+        for group, positions in _by_group([_group_key(i)[0] for i in idents]).items():
+            locs = self._find_packed(group, [idents[n][2:] for n in positions])[1]
+            found += [positions[i] for i in np.flatnonzero(locs >= 0).tolist()]
+        return found
 
     def _scan_entry(self, entry: os.DirEntry, group: int, mtimes, idents, sizes) -> None:
         name = entry.name
@@ -616,30 +631,44 @@ class FilesystemTier(SecondaryTier):
         """Look for pages lookups missed off the lookup path: an I/O thread stats their files
         and lists new packs, one job at a time; the lookup that missed recomputes."""
         with self._lock:
+            if self._closing:
+                return
             self._undiscovered.update(idents[:max(0, DISCOVER_KEYS - len(self._undiscovered))])
             if not self._discovered.is_set():
                 return                    # the running job takes these too
             self._discovered.clear()
-        self._io.submit(WRITE, self._discover_job)
+        try:
+            self._io.submit(WRITE, self._discover_job)
+        except RuntimeError:              # closed meanwhile: nothing will look
+            self._idle_discovery()
+
+    def _idle_discovery(self) -> None:
+        with self._lock:
+            self._undiscovered.clear()
+            self._discovered.set()
 
     def _discover_job(self) -> None:
-        while True:
-            with self._lock:              # taking the keys and going idle are one step
-                idents, self._undiscovered = self._undiscovered, set()
-                if not idents or self._closing:
-                    self._discovered.set()
-                    return
-                self.stats["disk_lookups"] += len(idents)
-            on_disk = {ident: size for ident in idents
-                       if (size := regular_size(page_file(self._namespace_str, *_group_key(ident)))) is not None}
-            dead = []
-            with self._lock:
-                for ident, size in on_disk.items():
-                    group, key = _group_key(ident)
-                    if self._locate(group, [key])[0] is None:
-                        dead += self._put_file(ident, self._size(size))
-            self._remove(dead)
-            self._list_new_packs()
+        try:
+            while True:
+                with self._lock:          # taking the keys and going idle are one step
+                    idents, self._undiscovered = self._undiscovered, set()
+                    if not idents or self._closing:
+                        self._discovered.set()
+                        return
+                    self.stats["disk_lookups"] += len(idents)
+                on_disk = {ident: size for ident in idents
+                           if (size := regular_size(page_file(self._namespace_str, *_group_key(ident)))) is not None}
+                dead = []
+                with self._lock:
+                    for ident, size in on_disk.items():
+                        group, key = _group_key(ident)
+                        if self._locate(group, [key])[0] is None:
+                            dead += self._put_file(ident, self._size(size))
+                self._remove(dead)
+                self._list_new_packs()
+        except Exception:                 # the next miss starts a fresh job
+            log.exception("filesystem tier %s: looking for pages other processes wrote failed", self.namespace)
+            self._idle_discovery()
 
     def wait_ready(self, timeout: float) -> bool:
         """The scan reads the pack tables first: milliseconds for most stores, about a second
@@ -675,6 +704,8 @@ class FilesystemTier(SecondaryTier):
         with self._lock:
             self.stats["pack_listings"] += 1
         for name in names:
+            if self._closing:
+                return
             if name in self._packs or name in self._bad_packs:
                 continue
             found = self._open_pack(name)
