@@ -1,4 +1,4 @@
-"""Regression tests for the error-path defects of issue 12; each failed before its fix."""
+"""Regression tests for error-path defects a review found; each failed before its fix."""
 
 import errno
 import subprocess

@@ -41,7 +41,7 @@ def test_offload_block_larger_than_engine_block_refused_under_sparse():
 
 
 def test_cache_start_up_refuses_the_same_sparse_mismatch(tmp_path):
-    """Not only 'plan': a cache configured this way never starts (DESIGN section 6)."""
+    """Not only 'plan': a cache configured this way never starts (the planner's sizes are the cache's)."""
     from hybridkv.cache import TieredCache
     from hybridkv.config import CacheConfig, load_config
 

@@ -1,4 +1,4 @@
-"""Sizes the per-group RAM pools from one byte budget (DESIGN §6).
+"""Sizes the per-group RAM pools from one byte budget.
 
 Token groups get N slots each; a state group gets only as many as the retention policy
 can fill for the requests N token slots hold, plus one junction per request.

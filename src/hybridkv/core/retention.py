@@ -1,7 +1,8 @@
 """Which recurrent states are kept, and how deep a prompt can be restored.
 
-This module is the single place that decides hit lengths (DESIGN §4) and retained
-boundaries (DESIGN §5); the connector and the simulator both call it.
+This module is the single place that decides hit lengths (how many prompt tokens every group
+can restore together) and which boundaries keep a state; the connector and the simulator both
+call it.
 """
 
 from __future__ import annotations
@@ -113,7 +114,10 @@ def _fixed_point(groups: Sequence[Group], cap_blocks: int, B: int, present: Pres
 
 
 def compute_hit(groups: Sequence[Group], n_tokens: int, block_tokens: int, present: Present) -> Hit:
-    """The hybrid hit rule of DESIGN §4 as a fixed point, capped at the replay boundary."""
+    """The hybrid hit as a fixed point: the deepest boundary where every attention group holds
+    every block before it, every sliding-window group its window and every state group a
+    state there, capped at the replay boundary; and the junction, where attention alone
+    reaches further."""
     cacheable = [g for g in groups if g.cacheable]
     cap = replay_boundary(n_tokens, block_tokens) // block_tokens
     hit = _fixed_point(cacheable, cap, block_tokens, present)
