@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hybridkv.core.errors import HybridKVError
-from hybridkv.device.page_copy import PageCopier, fold_kernel_blocks
+from hybridkv.device.page_copy import PageCopier, block_bytes, fold_kernel_blocks
 from hybridkv.ram.regions import SharedRegion
 from hybridkv.tools.gpu_check import LAYOUT_ORDERS, attention_caches, state_caches
 
@@ -35,15 +35,11 @@ def region(tmp_path):
         r.close()
 
 
-def page_bytes(layer_views):
-    return sum(v[0].numel() * v.element_size() for v in layer_views)
-
-
 @pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
 @pytest.mark.parametrize("layout", list(LAYOUT_ORDERS))
 def test_save_writes_each_block_in_logical_order_at_its_slot(layout, staged, region):
     src = views(layout)
-    r = region(page_bytes(src))
+    r = region(block_bytes(src))
     PageCopier({0: src}, {0: r.page_bytes}, staged=staged).save(0, r, [4, 0, 2], [1, 5, 3]).wait()
     for slot, block in ((4, 1), (0, 5), (2, 3)):
         assert torch.equal(torch.from_numpy(r.array[slot].copy()), expected_page(src, block))
@@ -54,7 +50,7 @@ def test_save_writes_each_block_in_logical_order_at_its_slot(layout, staged, reg
 @pytest.mark.parametrize("layout", list(LAYOUT_ORDERS))
 def test_pages_load_into_any_other_layout_bit_identical(layout, staged, region):
     src = views(layout)
-    r = region(page_bytes(src))
+    r = region(block_bytes(src))
     PageCopier({0: src}, {0: r.page_bytes}, staged=staged).save(0, r, range(BLOCKS), range(BLOCKS))
     for other in LAYOUT_ORDERS:
         raw = [torch.zeros_like(t) for t in attention_caches(other, **DIMS)]
@@ -72,7 +68,7 @@ def test_a_kernel_split_folds_to_the_same_page_as_whole_blocks(region):
     split = [fold_kernel_blocks(t, BLOCKS) for t in raw]
     for w, s in zip(whole, split, strict=True):               # the same tokens, split in two
         s.copy_(w.reshape(s.shape))
-    r = region(page_bytes(whole))
+    r = region(block_bytes(whole))
     PageCopier({0: split}, {0: r.page_bytes}).save(0, r, [0], [2])
     assert torch.equal(torch.from_numpy(r.array[0].copy()), expected_page(whole, 2))
     back = [torch.zeros_like(t) for t in raw]
@@ -99,7 +95,7 @@ def test_padded_state_pages_copy_the_real_bytes_only(staged, region):
 @pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
 def test_tensor_parallel_ranks_own_one_slice_each(staged, region):
     ranks = [views("LBHNC", seed=10 + r) for r in range(2)]
-    width = page_bytes(ranks[0])
+    width = block_bytes(ranks[0])
     r = region(2 * width)
     for rank, src in enumerate(ranks):
         PageCopier({0: src}, {0: 2 * width}, rank, 2, staged=staged).save(0, r, [1], [3])
@@ -112,7 +108,7 @@ def test_tensor_parallel_ranks_own_one_slice_each(staged, region):
 
 def test_staging_smaller_than_a_batch_moves_it_in_chunks(region):
     src = views("BLNHC")
-    r = region(page_bytes(src))
+    r = region(block_bytes(src))
     copier = PageCopier({0: src}, {0: r.page_bytes}, staged=True, save_staging_bytes=1, load_staging_bytes=1)   # one page at a time
     copier.save(0, r, list(range(BLOCKS)), list(range(BLOCKS)))
     dst = [torch.zeros_like(v) for v in src]
@@ -122,7 +118,7 @@ def test_staging_smaller_than_a_batch_moves_it_in_chunks(region):
 
 def test_mismatched_pages_are_refused_with_both_figures(region):
     src = views("LBHNC")
-    width = page_bytes(src)
+    width = block_bytes(src)
     with pytest.raises(HybridKVError, match=f"rank 1 holds {width} B per block, which is not 1/2 of the {width + 1} B"):
         PageCopier({0: src}, {0: width + 1}, rank=1, ranks=2)
     copier = PageCopier({0: src}, {0: width})

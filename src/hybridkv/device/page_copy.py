@@ -97,8 +97,9 @@ def fold_kernel_blocks(tensor: torch.Tensor, num_blocks: int) -> torch.Tensor:
     return tensor.unflatten(0, (num_blocks, rows // num_blocks)).movedim(1, 2)
 
 
-def _row_bytes(view: torch.Tensor) -> int:
-    return view[0].numel() * view.element_size()
+def block_bytes(views: Sequence[torch.Tensor]) -> int:
+    """Bytes one block takes over these block views (a group's slice of a page)."""
+    return sum(view[0].numel() * view.element_size() for view in views)
 
 
 class PageCopier:
@@ -121,7 +122,7 @@ class PageCopier:
                 if view.stride(-1) != 1 and view.shape[-1] > 1:
                     raise HybridKVError(f"group {gid}: a layer tensor's last dimension is not contiguous "
                                         f"(strides {tuple(view.stride())}); this cache layout is not supported")
-                nbytes = _row_bytes(view)
+                nbytes = block_bytes([view])
                 parts.append(_Part(view, offset, nbytes))
                 offset += nbytes
                 devices.add(view.device)

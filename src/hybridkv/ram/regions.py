@@ -24,12 +24,12 @@ import numpy as np
 from hybridkv.core.errors import HybridKVError
 
 
-# Runs once per process that maps a region (e.g. CUDA host registration); what it returns, if
-# anything, undoes it and runs before the mapping goes.
 class PinningFailed(HybridKVError):
     """A pin hook failed for good: fatal where it runs (never a silent fallback)."""
 
 
+# Runs once per process that maps a region (e.g. CUDA host registration); what it returns, if
+# anything, undoes it and runs before the mapping goes.
 PinHook = Callable[["SharedRegion"], "Callable[[], None] | None"]
 
 

@@ -138,7 +138,7 @@ def inspect_store(store: str | Path) -> dict:
         out["namespaces"].append({
             "fingerprint": ns.name, "model": manifest.get("model"), "total_bytes": total,
             "groups": [groups[k] for k in sorted(groups)], "packs": packs, "quarantined": quarantined,
-            "last_used": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(last_used(ns, dirs))),
+            "last_used": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(last_used(ns, _files(ns, dirs)))),
         })
     return out
 
@@ -182,11 +182,10 @@ def _verify_pack(path: Path) -> None:
             raise pagefile.CorruptPage(f"payload checksum mismatch at offset {offset}")
 
 
-def last_used(namespace: Path, dirs: StoreDirs) -> float:
+def last_used(namespace: Path, files) -> float:
     """When a namespace was last written or read (engines refresh a page's mtime when they
-    use it): its newest file, or its manifest when it holds none."""
-    times = [st.st_mtime for _, st in _files(namespace, dirs)]
-    return max(times, default=(namespace / MANIFEST).lstat().st_mtime)
+    use it): its newest file (``files``: its ``_files``), or its manifest when it holds none."""
+    return max((st.st_mtime for _, st in files), default=(namespace / MANIFEST).lstat().st_mtime)
 
 
 def gc_store(store: str | Path, max_bytes: int | None = None, unused_days: float | None = None,
@@ -196,19 +195,15 @@ def gc_store(store: str | Path, max_bytes: int | None = None, unused_days: float
     (page files and packs, by mtime, in every namespace: old namespaces' files go first) until
     the store fits ``max_bytes``."""
     dirs, namespaces = open_store(store)
+    listed = {ns: list(_files(ns, dirs)) for ns, _ in namespaces}
     removed_namespaces, freed_namespaces = [], 0
     if unused_days is not None:
         cutoff = time.time() - unused_days * 86400
-        for ns, _ in namespaces:
-            if last_used(ns, dirs) < cutoff:
-                freed_namespaces += sum(st.st_size for _, st in _files(ns, dirs))
-                shutil.rmtree(ns)           # checked by open_store: a directory of the store's own
-                removed_namespaces.append(ns.name)
-        namespaces = [(ns, m) for ns, m in namespaces if ns.name not in removed_namespaces]
-    files = []
-    for ns, _ in namespaces:
-        for path, st in _files(ns, dirs):
-            files.append((st.st_mtime_ns, st.st_size, path))
+        for ns in [ns for ns, found in listed.items() if last_used(ns, found) < cutoff]:
+            freed_namespaces += sum(st.st_size for _, st in listed.pop(ns))
+            shutil.rmtree(ns)               # checked by open_store: a directory of the store's own
+            removed_namespaces.append(ns.name)
+    files = [(st.st_mtime_ns, st.st_size, path) for found in listed.values() for path, st in found]
     files.sort()
     total = sum(size for _, size, _ in files)
     max_bytes = total if max_bytes is None else max_bytes

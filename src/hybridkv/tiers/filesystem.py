@@ -374,14 +374,13 @@ class FilesystemTier(SecondaryTier):
         with self._lock:
             # dropped since the snapshot; indexed, used or unpacked since (the latter go last)
             changed = (self._gone - gone) | (self._fresh - fresh) | (self._lru.keys() ^ known)
+            skip_idents = [idents[n] for n in skip]
             if any(isinstance(key, Pack) for key in self._lru.keys() - known):
                 # a pack written meanwhile may hold a scanned file's page: its copy serves
                 scanned = [key for key in ordered if not isinstance(key, Pack)]
                 now_packed = [scanned[n] for n in self._packed_among(scanned)]
                 changed |= set(now_packed)
-                skip_idents = [idents[n] for n in skip] + now_packed
-            else:
-                skip_idents = [idents[n] for n in skip]
+                skip_idents += now_packed
             for key in changed:
                 size = ordered.pop(key, None)
                 if size is not None and not isinstance(key, Pack):
@@ -621,8 +620,8 @@ class FilesystemTier(SecondaryTier):
         keys = list(keys)
         with self._lock:
             found = [where is not None for where in self._locate(group, keys)]
-            unknown = [_ident(group, keys[n]) for n, ok in enumerate(found)
-                       if not ok and _ident(group, keys[n]) not in self._bad]
+            unknown = [ident for n, ok in enumerate(found)
+                       if not ok and (ident := _ident(group, keys[n])) not in self._bad]
         if unknown:
             self._discover(unknown)
         return found

@@ -48,17 +48,16 @@ def _figures(ms: list[float]) -> dict | None:
             "p99_ms": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], "max_ms": ordered[-1]}
 
 
-def _lookups(conn, tokens: int, count: int | None, until=None) -> list[float]:
+def _lookups(conn, tokens: int, until) -> list[float]:
     """``Connector.begin`` on fresh random prompts, one every ``PACE_S`` (a busy server's
-    arrival rate): ``count`` of them, or until ``until()``."""
-    rng, ms, i = np.random.default_rng(tokens), [], 0
-    while (count is None and not until()) or (count is not None and i < count):
+    arrival rate), until ``until(times so far)``; their times in ms."""
+    rng, ms = np.random.default_rng(tokens), []
+    while not until(ms):
         ids = rng.integers(0, 150_000, tokens).tolist()
         t = time.perf_counter()
-        req = conn.begin(f"r{i}", ids)
+        req = conn.begin(f"r{len(ms)}", ids)
         ms.append((time.perf_counter() - t) * 1e3)
         conn.finish(req)
-        i += 1
         time.sleep(PACE_S)
     return ms
 
@@ -75,16 +74,16 @@ def measure(pages: int = 1_000_000, files: int = 200_000, tokens: int = 32768, r
         make_packed_store(root, layout, pages)
         make_file_store(root, layout, files, first=pages)
         with TieredCache(layout, config, secondaries=[]) as cache:
-            ram_only = _lookups(Connector(cache), tokens, requests)
+            ram_only = _lookups(Connector(cache), tokens, lambda ms: len(ms) >= requests)
         t0 = time.perf_counter()
         fs = FilesystemTier(root, layout, direct=False)
         try:
             with TieredCache(layout, config, secondaries=[fs]) as cache:
                 ready_s = time.perf_counter() - t0
                 conn = Connector(cache)
-                during = _lookups(conn, tokens, None, until=fs.scanned.is_set)
+                during = _lookups(conn, tokens, lambda ms: fs.scanned.is_set())
                 scan_s = time.perf_counter() - t0
-                after = _lookups(conn, tokens, requests)
+                after = _lookups(conn, tokens, lambda ms: len(ms) >= requests)
                 fs.wait_discovered(60)
                 background_stats = fs.stats["disk_lookups"]
         finally:

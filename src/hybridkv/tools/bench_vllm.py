@@ -53,11 +53,8 @@ def _engine(work: Path, name: str, model: Path, family: str, connector, requests
     path = work / f"{name}.json"
     path.write_text(json.dumps(job))
     t0 = time.perf_counter()
-    env = dict(os.environ)
-    if tp > 1:        # vLLM's CPU build binds each rank to cores of its own
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % os.cpu_count()) for i in range(tp))
     proc = subprocess.run([sys.executable, "-m", "hybridkv.tools.vllm_run", str(path)],
-                          capture_output=True, text=True, timeout=900, env=env)
+                          capture_output=True, text=True, timeout=900)
     (work / f"{name}.log").write_text(proc.stdout + proc.stderr)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("HYBRIDKV_RESULT ")), None)
     if proc.returncode != 0 or line is None:

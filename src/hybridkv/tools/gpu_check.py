@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from hybridkv.device.page_copy import PageCopier, fold_kernel_blocks
+from hybridkv.device.page_copy import PageCopier, block_bytes, fold_kernel_blocks
 from hybridkv.ram.regions import SharedRegion
 
 # vLLM's KVCacheLayout: the physical order of the logical [L, B, H, N, C] dims
@@ -80,7 +80,7 @@ def round_trip(layout: str, load_layout: str, device: torch.device, directory: P
     sources = [[fold_kernel_blocks(t, blocks) for t in
                 attention_caches(layout, blocks=blocks, device=device, split=split, seed=r, **dims)]
                for r in range(ranks)]
-    slice_bytes = sum(v[0].numel() * v.element_size() for v in sources[0])
+    slice_bytes = block_bytes(sources[0])
     region = _region(directory, f"rt-{layout}-{load_layout}-{split}-{ranks}", blocks, slice_bytes * ranks, device)
     ok = True
     try:
@@ -142,7 +142,7 @@ def bandwidth(layout: str, device: torch.device, directory: Path, pages: int, re
     copy of the same bytes between a device tensor and pinned host memory."""
     views = [fold_kernel_blocks(t, pages) for t in attention_caches(
         layout, layers=4, blocks=pages, heads=2, tokens=128, width=512, dtype=torch.bfloat16, device=device)]
-    page = sum(v[0].numel() * v.element_size() for v in views)
+    page = block_bytes(views)
     region = _region(directory, f"bw-{layout}", pages, page, device)
     try:
         copier = PageCopier({0: views}, {0: page})

@@ -4,8 +4,9 @@
 
 The job names the model directory, dtype, the connector's extra config (or null for plain
 vLLM), optionally more ``KVTransferConfig`` fields (``"transfer"``) and a
-``"tensor_parallel_size"`` (workers in processes of their own; on vLLM's CPU build set
-``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``0|1``), and a list of requests run one after another.
+``"tensor_parallel_size"`` (workers in processes of their own, each bound to a core of its
+own unless ``VLLM_CPU_OMP_THREADS_BIND`` says otherwise: vLLM's CPU build refuses ranks that
+share cores), and a list of requests run one after another.
 On a request:
 
 - ``"reset": true`` empties vLLM's own prefix cache first, so a repeat must come from hybridkv;
@@ -30,8 +31,16 @@ import time
 from pathlib import Path
 
 
+def cpu_threads_bind(tp: int) -> str:
+    """One core per rank for vLLM's CPU build (``VLLM_CPU_OMP_THREADS_BIND``), e.g. ``0|1``."""
+    return "|".join(str(i % os.cpu_count()) for i in range(tp))
+
+
 def run(job: dict) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    tp = job.get("tensor_parallel_size", 1)
+    if tp > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_threads_bind(tp))
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
@@ -41,7 +50,6 @@ def run(job: dict) -> dict:
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="HybridKVConnector", kv_connector_module_path="hybridkv.integrations.vllm",
             kv_role="kv_both", kv_connector_extra_config=job["connector"], **job.get("transfer", {}))
-    tp = job.get("tensor_parallel_size", 1)
     if tp > 1:
         kwargs.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
     t0 = time.perf_counter()

@@ -14,6 +14,7 @@ import torch
 from hybridkv.core.keys import block_hashes
 from hybridkv.integrations.vllm.tiny_models import dtype_of
 from hybridkv.tiers import packfile, pagefile
+from hybridkv.tools.vllm_run import cpu_threads_bind
 
 ENGINE_TIMEOUT_S = 600
 
@@ -40,7 +41,7 @@ def engine_env(in_process: bool = False, tp: int = 1) -> dict:
     if in_process:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if tp > 1:     # one core per worker: vLLM's CPU build refuses to share cores between ranks
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % os.cpu_count()) for i in range(tp))
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(tp)
     return env
 
 
@@ -58,7 +59,7 @@ def run_engine(model_dir: Path, family: str, connector: dict | None, requests: l
     path.write_text(json.dumps(job))
     proc = subprocess.run([sys.executable, "-m", "hybridkv.tools.vllm_run", str(path)],
                           capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S,
-                          env=engine_env(in_process=True, tp=tp))
+                          env=engine_env(in_process=True))
     (workdir / f"{name}.log").write_text(proc.stdout + proc.stderr)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("HYBRIDKV_RESULT ")), None)
     assert proc.returncode == 0 and line, f"engine {name} failed:\n{proc.stderr[-4000:]}"

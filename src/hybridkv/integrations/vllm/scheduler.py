@@ -50,12 +50,25 @@ class _Request:
 
 
 @dataclass
+class _Acks:
+    """Which TP ranks reported their slice of a copy, and whether every one succeeded."""
+
+    ranks: set = field(default_factory=set)
+    ok: bool = True
+
+    def add(self, rank: int, ok: bool, tp_size: int) -> bool:
+        """One rank's report; True once every rank has reported."""
+        self.ranks.add(rank)
+        self.ok &= ok
+        return len(self.ranks) == tp_size
+
+
+@dataclass
 class _Reservation:
     request: str
     plans: dict
     kind: PageKind
-    ranks_done: set = field(default_factory=set)
-    ok: bool = True
+    acks: _Acks = field(default_factory=_Acks)
 
 
 @dataclass
@@ -98,7 +111,7 @@ class SchedulerSide:
         self._promoting: dict[str, list[Copy]] = {}   # allocated loads whose reads are in flight
         self._promotion_failed: set[str] = set()      # for the worker to report as failed loads
         self._abandoned: set[str] = set()             # finished while promoting: reported done
-        self._load_acks: dict[str, tuple[set, set]] = {}   # loads some ranks reported: (ranks, failed)
+        self._load_acks: dict[str, _Acks] = {}        # loads some ranks have reported
         self._closed = False
         self.history: deque[dict] = deque(maxlen=256)     # the last finished requests, for operators
         self._reported = {"loaded_tokens": 0, "stored_pages": 0}   # at the last stats call
@@ -293,15 +306,11 @@ class SchedulerSide:
 
     def _acknowledge_store(self, rid: int, rank: int, ok: bool) -> None:
         res = self._reservations.get(rid)
-        if res is None:
-            return
-        res.ranks_done.add(rank)
-        res.ok &= ok
-        if len(res.ranks_done) < self.layout.tp_size:
+        if res is None or not res.acks.add(rank, ok, self.layout.tp_size):
             return
         del self._reservations[rid]
-        self.cache.commit(res.plans, res.ok)
-        if not res.ok:
+        self.cache.commit(res.plans, res.acks.ok)
+        if not res.acks.ok:
             self.stats.store_failures += 1
             return
         pages = sum(len(p.keys) for p in res.plans.values())
@@ -311,14 +320,11 @@ class SchedulerSide:
             owner.state.stored[res.kind.value] += pages
 
     def _acknowledge_load(self, req: str, rank: int, failed: bool) -> None:
-        ranks, failures = self._load_acks.setdefault(req, (set(), set()))
-        ranks.add(rank)
-        if failed:
-            failures.add(rank)
-        if len(ranks) < self.layout.tp_size:
+        acks = self._load_acks.setdefault(req, _Acks())
+        if not acks.add(rank, not failed, self.layout.tp_size):
             return
         del self._load_acks[req]
-        if failures:                      # no hit again: vLLM recomputes the request
+        if not acks.ok:                   # no hit again: vLLM recomputes the request
             if req in self._requests:     # (a finished request's id is not kept)
                 self._failed_loads.add(req)
             self.stats.load_failures += 1
@@ -461,14 +467,14 @@ _adapters: dict[tuple, str] = {}
 def adapter_identity(lora) -> str:
     """A LoRA adapter by its weights, not its name: two servers sharing Redis with different
     weights under one adapter name must not share pages. A local adapter directory is named
-    by a digest of its files (remembered per path and every file's size and modification
-    time); otherwise the name, id and path are all there is."""
+    by a digest of its files, taken once per path and adapter id (vLLM keeps serving the
+    weights it loaded under an id, so a lookup never goes back to the disk for it);
+    otherwise the name, id and path are all there is."""
     path = getattr(lora, "lora_path", None) or getattr(lora, "path", None)
-    if path and os.path.isdir(path):
-        files = sorted(f for f in Path(path).rglob("*") if f.is_file())
-        key = (os.path.realpath(path), tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files))
-        if key not in _adapters:
-            _adapters[key] = checkpoint_revision(path, extra_files=("adapter_config.json",))
-        return _adapters[key]
-    return f"{lora.lora_name}:{lora.lora_int_id}:{path}"
+    if not (path and os.path.isdir(path)):
+        return f"{lora.lora_name}:{lora.lora_int_id}:{path}"
+    key = (os.path.realpath(path), lora.lora_int_id)
+    if key not in _adapters:
+        _adapters[key] = checkpoint_revision(path, extra_files=("adapter_config.json",))
+    return _adapters[key]
 

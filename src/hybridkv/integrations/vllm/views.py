@@ -21,7 +21,7 @@ import torch
 
 from hybridkv.core.errors import HybridKVError
 from hybridkv.core.layout import Layout
-from hybridkv.device.page_copy import fold_kernel_blocks
+from hybridkv.device.page_copy import block_bytes, fold_kernel_blocks
 
 KNOWN_LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
 ALIASES = {"NHD": "LBNHC", "HND": "LBHNC"}
@@ -71,19 +71,18 @@ def check_views(layout: Layout, views: dict[int, list[torch.Tensor]]) -> None:
     for gid, group_views in views.items():
         group = layout.group(gid)
         rank_page = group.page_bytes // layout.tp_size
-        actual = sum(v[0].numel() * v.element_size() for v in group_views)
+        actual = block_bytes(group_views)
         if actual != rank_page:
             raise HybridKVError(
                 f"vLLM's tensors of group {gid} hold {actual} B per block on this rank but the "
                 f"scheduler's layout says {rank_page} B ({group.page_bytes} B over {layout.tp_size} "
                 "ranks); this model's cache layout is not supported")
-        for spec in group.tensors[:1]:
-            if spec.name.startswith("kv") and any(
-                    _logical_shape(v) != tuple(spec.shape) or str(v.dtype) != spec.dtype for v in group_views):
-                v = group_views[0]
+        kv = group.tensors[0] if group.tensors and group.tensors[0].name.startswith("kv") else None
+        for v in group_views if kv is not None else ():
+            if _logical_shape(v) != tuple(kv.shape) or str(v.dtype) != kv.dtype:
                 raise HybridKVError(
                     f"vLLM's attention tensors of group {gid} are {_logical_shape(v)} {v.dtype} per block "
-                    f"but the scheduler's layout says {tuple(spec.shape)} {spec.dtype}")
+                    f"but the scheduler's layout says {tuple(kv.shape)} {kv.dtype}")
 
 
 def _logical_shape(view: torch.Tensor) -> tuple[int, ...]:

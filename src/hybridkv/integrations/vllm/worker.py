@@ -57,7 +57,9 @@ class WorkerSide:
     def __init__(self, vllm_config, kv_cache_config, rank: int | None = None):
         self.layout = layout_from_vllm(vllm_config, kv_cache_config, identify=False)
         self.kv_layout = resolved_layout(vllm_config, kv_cache_config)      # refuses unknown ones now
-        self.rank = tensor_parallel_rank() if rank is None and self.layout.tp_size > 1 else rank or 0
+        if rank is None:
+            rank = tensor_parallel_rank() if self.layout.tp_size > 1 else 0
+        self.rank = rank
         self.num_blocks = kv_cache_config.num_blocks
         self.copier: PageCopier | None = None
         self.regions: dict[int, SharedRegion] = {}
