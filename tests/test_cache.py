@@ -278,7 +278,8 @@ def test_reads_a_load_joined_stay_its_own_when_making_room_for_its_other_pages_d
     + 7 more pages cannot fit in 8 slots, so the load fails and pins nothing."""
     B = LAYOUT.block_tokens
     budget = 8 * LAYOUT.group(0).page_bytes + 2 * LAYOUT.group(1).page_bytes
-    config = CacheConfig(block_tokens=B, ram_bytes=budget, reference_tokens=8 * B, store=str(tmp_path))
+    config = CacheConfig(block_tokens=B, ram_bytes=budget, reference_tokens=8 * B, store=str(tmp_path),
+                         tail_states=0)
     with TieredCache(LAYOUT, config) as cache:
         assert cache.plan.slots_per_group()[0] == 8
         for i in range(9):

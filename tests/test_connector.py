@@ -19,7 +19,7 @@ B = LAYOUT.block_tokens
 def cache():
     # 8 token slots and 2 state slots (reference 4 blocks: one request + one junction)
     budget = 8 * LAYOUT.group(0).page_bytes + 2 * LAYOUT.group(1).page_bytes
-    with TieredCache(LAYOUT, CacheConfig(block_tokens=B, ram_bytes=budget, reference_tokens=8 * B)) as c:
+    with TieredCache(LAYOUT, CacheConfig(block_tokens=B, ram_bytes=budget, reference_tokens=8 * B, tail_states=0)) as c:
         assert c.plan.slots_per_group() == {0: 8, 1: 2}
         yield c
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +24,7 @@ from hybridkv.core.errors import HybridKVError
 from hybridkv.core.layout import Layout
 from hybridkv.core.planner import Plan, plan_pools
 from hybridkv.ram.grouped_pools import GroupedPools
+from hybridkv.ram.policies import EvictionPolicy
 from hybridkv.ram.pool import Lookup, StorePlan
 from hybridkv.ram.regions import PagelessRegion, PinHook, SharedRegion, remove_stale_regions
 from hybridkv.tiers.base import SecondaryTier, open_tiers
@@ -86,17 +87,20 @@ class TieredCache:
 
     ``secondaries`` replaces the tiers the config names (tests, benchmarks); ``pin_hook`` runs
     on every RAM region at creation (the engine passes CUDA host registration on a GPU box);
-    ``pageless`` keeps the slots and their accounting without the bytes (the simulator).
+    ``pageless`` keeps the slots and their accounting without the bytes (the simulator);
+    ``eviction`` builds each pool's policy instead of the config's named one (the simulator's
+    policy comparison).
     """
 
     def __init__(self, layout: Layout, config: CacheConfig, plan: Plan | None = None,
                  secondaries: Sequence[SecondaryTier] | None = None,
-                 pin_hook: PinHook | None = None, pageless: bool = False):
+                 pin_hook: PinHook | None = None, pageless: bool = False,
+                 eviction: Callable[[int, int], EvictionPolicy] | None = None):
         self.layout, self.config = layout, config
         reference = config.reference_tokens or layout.max_model_len or 64 * layout.block_tokens
         self.plan = plan or plan_pools(layout, config.ram_bytes, config.retention, reference,
-                                       config.engine_block_tokens)
-        self.pools = GroupedPools(self.plan.slots_per_group(), config.eviction)
+                                       config.engine_block_tokens, config.tail_states)
+        self.pools = GroupedPools(self.plan.slots_per_group(), eviction or config.eviction)
         self.regions: dict[int, SharedRegion | PagelessRegion] = {}
         self.secondaries: list[SecondaryTier] = []
         self.counters: dict[str, TierCounters] = {RAM: TierCounters()}

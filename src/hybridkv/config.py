@@ -59,6 +59,7 @@ class CacheConfig:
     ram_bytes: int = setting(256 * 1024**2, "RAM tier budget per worker, e.g. 4GiB (default 256MiB)")
     eviction: str = setting("lru", f"RAM eviction policy: {' or '.join(POLICIES)} (default lru)")
     retention: int | None = setting(0, "recurrent states kept: dense, 0 (semantic, default) or an interval in tokens")
+    tail_states: int = setting(1, "states also kept this many blocks before each prompt's end, for follow-ups that change its last block (default 1)")
     reference_tokens: int | None = setting(None, "typical request length the pools are sized for (default: the model's maximum)")
     engine_block_tokens: int | None = setting(None, "the serving engine's own block size, when it has one (checked against block_tokens)")
     ram_dir: str = setting("/dev/shm", "directory of the shared RAM regions, a tmpfs (default /dev/shm)")
@@ -85,6 +86,8 @@ class CacheConfig:
                 f"retention {self.retention} is not a multiple of block_tokens {self.block_tokens}; "
                 f"use 0, dense or a multiple such as {self.block_tokens * 8}"
             )
+        if isinstance(self.tail_states, bool) or not isinstance(self.tail_states, int) or self.tail_states < 0:
+            raise HybridKVError(f"tail_states must be an integer >= 0, got {self.tail_states!r}")
         if self.reference_tokens is not None and self.reference_tokens < self.block_tokens:
             raise HybridKVError(
                 f"reference_tokens {self.reference_tokens} is shorter than one block "
@@ -122,7 +125,7 @@ class CacheConfig:
 
 _FIELDS = {f.name: f for f in dataclasses.fields(CacheConfig)}
 _SIZE_FIELDS = ("ram_bytes", "fs_bytes")
-_INT_FIELDS = ("block_tokens", "reference_tokens", "engine_block_tokens", "remote_ttl_s")
+_INT_FIELDS = ("block_tokens", "tail_states", "reference_tokens", "engine_block_tokens", "remote_ttl_s")
 
 
 def _coerce(name: str, value):

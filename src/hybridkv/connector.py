@@ -96,7 +96,7 @@ class Connector:
         self.cache = cache
         self.layout: Layout = cache.layout
         self.B = self.layout.block_tokens
-        self.retention = retention or Retention(self.B, cache.config.retention)
+        self.retention = retention or Retention(self.B, cache.config.retention, cache.config.tail_states)
         self.groups = self.layout.cacheable_groups
         self.token_groups = [g.id for g in self.groups if g.is_token_group]
         self.state_groups = [g.id for g in self.groups if g.kind is GroupKind.STATE]

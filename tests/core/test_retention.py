@@ -101,3 +101,11 @@ def test_fixed_point_across_window_and_state():
 def test_scratch_groups_never_constrain():
     hit = compute_hit([ATT, SCRATCH], 64 * 3, B, oracle({0: {0, 1, 2}}))
     assert hit.tokens == 128
+
+
+def test_tail_keeps_the_states_just_before_the_replay_boundary():
+    assert kept(Retention(B, 0, tail=1), 300) == [192, 256]
+    assert kept(Retention(B, 0, tail=2), 300, junction=64) == [64, 128, 192, 256]
+    assert kept(Retention(B, 256, tail=1), 1000) == [256, 512, 768, 896, 960]
+    assert Retention(B, 0, tail=1).states_per_prompt(300) == 2
+    assert Retention(B, 0, tail=3).states_per_prompt(130) == 2    # only two boundaries exist

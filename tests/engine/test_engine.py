@@ -132,7 +132,7 @@ def _siblings(system_blocks=4, seed=7):
 @pytest.mark.parametrize("discover_from", ["ram", "fs"])
 def test_junction_is_stored_and_served_to_a_third_request(tmp_path, discover_from):
     a, b, c = _siblings()
-    cfg = CacheConfig(block_tokens=B, store=str(tmp_path))
+    cfg = CacheConfig(block_tokens=B, store=str(tmp_path), tail_states=0)   # the junction alone
     engine = Engine("tiny-hybrid", cfg)
     engine.generate(a, 2)
     if discover_from == "fs":
@@ -379,8 +379,8 @@ def test_stats_as_json_and_prometheus(tmp_path):
         engine.generate(ids, 2)
         engine.cache.drain()
         stats = engine.stats()
-    assert stats["groups"][0]["stores"] == 3 and stats["groups"][1]["stores"] == 1
-    assert stats["tiers"]["ram"]["hits"] == 4 and stats["tiers"]["fs"]["writes"] == 4
+    assert stats["groups"][0]["stores"] == 3 and stats["groups"][1]["stores"] == 2   # replay and tail states
+    assert stats["tiers"]["ram"]["hits"] == 4 and stats["tiers"]["fs"]["writes"] == 5
     assert stats["connector"]["hit_tokens"] == 3 * B
     text = to_prometheus(stats)
     assert 'hybridkv_ram_stores_total{group="0",kind="attention"} 3.0' in text

@@ -1,9 +1,17 @@
+import json
 from collections import Counter
 
+import numpy as np
 import pytest
 
+from hybridkv.connector import Connector
 from hybridkv.core.layout import layout_from_dict
-from hybridkv.tools.simulator import WORKLOADS, shared_system_prompt, simulate
+from hybridkv.tools.policy_compare import compare
+from hybridkv.tools.simulator import Policy, PrefixTruth, policy, replay, simulate
+from hybridkv.tools.traces import read_trace, write_mooncake
+from hybridkv.tools.workloads import WORKLOADS, agent_trace, multi_turn_trace, shared_system_prompt
+
+from helpers.cli import assert_one_line_error, cli
 
 B = 256
 LAYOUT = layout_from_dict({"model": "sim", "block_tokens": B, "max_model_len": 1 << 20, "groups": [
@@ -29,7 +37,7 @@ def _system_prompt_expectation(dense: bool) -> int:
 
 
 def _systems():
-    from hybridkv.tools.simulator import _Tokens
+    from hybridkv.tools.workloads import _Tokens
 
     t = _Tokens(1)
     return [t(3000, 6000) for _ in range(3)]
@@ -63,3 +71,92 @@ def test_sparse_retention_beats_dense_when_states_are_large():
     dense = simulate(big_states, "multi_turn_chat", 16 * 1024**3, retention=None, reference_tokens=8192)
     semantic = simulate(big_states, "multi_turn_chat", 16 * 1024**3, retention=0, reference_tokens=8192)
     assert semantic.token_hit_rate > 2 * dense.token_hit_rate
+
+
+# -- traces, policies and the wrong-hit check ------------------------------------------------
+def _trace(tmp_path, lines, name="t.jsonl"):
+    path = tmp_path / name
+    write_mooncake(path, (ids for ids, _ in lines), 512, (n for _, n in lines))
+    return path
+
+
+def _prompts(tmp_path, lines):
+    return [r.tokens for r in read_trace(_trace(tmp_path, lines))]
+
+
+def test_prefix_truth_counts_blocks_seen_before_up_to_the_replay_boundary():
+    truth = PrefixTruth(4)
+    a = np.arange(10)
+    assert truth.servable_then_add(a) == 0
+    assert truth.servable_then_add(np.r_[a[:8], 99, 98]) == 8
+    assert truth.servable_then_add(a[:8]) == 4           # the last token is always recomputed
+    assert truth.servable_then_add(np.r_[5, a[1:10]]) == 0
+
+
+class _KeysIgnoreTokens(Connector):
+    """A planted keying bug: every prompt is keyed as if it were all zeros."""
+
+    def begin(self, request_id, tokens, *args, **kwargs):
+        return super().begin(request_id, np.zeros_like(tokens), *args, **kwargs)
+
+
+def test_a_planted_wrong_hit_is_counted(tmp_path):
+    prompts = _prompts(tmp_path, list(agent_trace(sessions=4, steps=3)))
+    honest = replay(LAYOUT, prompts, HUGE, policy("semantic"))
+    assert honest.wrong_hits == 0 and honest.prefill_tokens_saved > 0
+    planted = replay(LAYOUT, prompts, HUGE, policy("semantic"), connector=_KeysIgnoreTokens)
+    assert planted.wrong_hits > 0 and planted.prefill_tokens_saved > honest.prefill_tokens_saved
+
+
+def test_tail_state_serves_a_follow_up_that_changes_the_last_block(tmp_path):
+    """Turn 2 re-sends turn 1's full blocks but not its partial last one: the state at the
+    replay boundary lies in tokens turn 2 lacks, the tail state one block earlier serves it."""
+    lines = [([1, 2, 3, 4], 3 * 512 + 400), ([1, 2, 3, 5, 6], 4 * 512 + 100)]
+    prompts = _prompts(tmp_path, lines)
+    semantic = replay(LAYOUT, prompts, HUGE, policy("semantic"))
+    tail = replay(LAYOUT, prompts, HUGE, policy("semantic-tail"))
+    assert semantic.prefill_tokens_saved == 0
+    assert tail.prefill_tokens_saved == 3 * 512 == tail.servable_tokens
+
+
+def test_compare_runs_every_policy_under_the_unlimited_ceiling(tmp_path):
+    prompts = _prompts(tmp_path, list(multi_turn_trace(sessions=30, turns=4, active=8)))
+    budgets = [2 * 1024**2, 8 * 1024**2, 64 * 1024**2]
+    c = compare(LAYOUT, prompts, budgets, "multi_turn", reference_tokens=2048)
+    out = c.to_json()
+    assert set(out["policies"]) == {"dense", "vllm-align", "semantic", "semantic-tail", "periodic-4096",
+                                    "periodic-16384", "marconi"}
+    assert out["recommended"] == "semantic-tail" and c.wrong_hits() == 0
+    for rates in [p["token_hit_rate"] for p in out["policies"].values()] + [out["ceiling_equal_bytes"]]:
+        assert len(rates) == 3 and all(0 <= r <= out["ceiling_unlimited"] for r in rates)
+    assert out["ceiling_equal_bytes"][-1] > 0 and len(out["best"]) == 3
+
+
+def test_simulate_cli_compare_json_and_plot(tmp_path):
+    layout = tmp_path / "layout.json"
+    layout.write_text(LAYOUT.to_json())
+    trace = _trace(tmp_path, list(multi_turn_trace(sessions=12, turns=3, active=4)))
+    chart = tmp_path / "policies.png"
+    proc = cli("simulate", "--trace", trace, "--layout", layout, "--ram-bytes", "4MiB,64MiB", "--compare",
+               "--policies", "semantic,vllm-align", "--json", "--plot", chart)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["budgets"] == [4 * 1024**2, 64 * 1024**2]
+    assert set(out["policies"]) == {"semantic", "vllm-align", "semantic-tail"}
+    assert chart.stat().st_size > 1000
+    single = cli("simulate", "--trace", trace, "--layout", layout, "--ram-bytes", "64MiB", "--policy", "dense")
+    assert single.returncode == 0 and "wrong hits 0" in single.stdout, single.stderr
+
+
+def test_simulate_cli_misuse(tmp_path):
+    assert_one_line_error(cli("simulate"), "either --trace PATH or --workload NAME")
+    assert_one_line_error(cli("simulate", "--workload", "nope"), "workload 'nope' is unknown")
+    assert_one_line_error(cli("simulate", "--workload", "agentic", "--ram-bytes", "lots"), "--ram-bytes")
+    assert_one_line_error(cli("simulate", "--workload", "agentic", "--compare", "--policies", "best"),
+                          "policy 'best' is unknown")
+
+
+def test_policy_objects_name_what_they_keep():
+    assert policy("periodic-2048") == Policy("periodic-2048", retention=2048)
+    assert not policy("vllm-align").keeper(256).keeps(256, 2000, junction=256)
+    assert policy("semantic").keeper(256).keeps(256, 2000, junction=256)

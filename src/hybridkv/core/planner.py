@@ -70,6 +70,7 @@ def plan_pools(
     retention: int | None = 0,
     reference_tokens: int | None = None,
     engine_block_tokens: int | None = None,
+    tail_states: int = 0,
 ) -> Plan:
     """Largest N with N*sum(token pages) + sum(S(N)*state page) <= budget; refuses what cannot work."""
     B = layout.block_tokens
@@ -95,7 +96,7 @@ def plan_pools(
             "retention: kept states would not fall on offload boundaries; use --retention dense "
             "or an offload block equal to the engine block"
         )
-    policy = Retention(B, retention)
+    policy = Retention(B, retention, tail_states)
     token_bytes = sum(g.page_bytes for g in cacheable if g.is_token_group)
     state_bytes = sum(g.page_bytes for g in cacheable if g.kind is GroupKind.STATE)
 

@@ -21,10 +21,14 @@ def replay_boundary(n_tokens: int, block_tokens: int) -> int:
 
 @dataclass(frozen=True)
 class Retention:
-    """``interval``: None = dense, 0 = semantic (replay + junctions), N = semantic + every N."""
+    """``interval``: None = dense, 0 = semantic (replay + junctions), N = semantic + every N.
+    ``tail``: states also kept at the ``tail`` boundaries just before the replay boundary, so
+    a follow-up that shares the prompt except its last block (a chat template that re-renders
+    the end of a turn, a trace whose last block is partial) still finds a state."""
 
     block_tokens: int
     interval: int | None = 0
+    tail: int = 0
 
     def __post_init__(self):
         if self.interval is not None and (self.interval < 0 or self.interval % self.block_tokens):
@@ -43,7 +47,7 @@ class Retention:
         replay = replay_boundary(n_tokens, B)
         if boundary <= 0 or boundary % B or boundary > replay:
             return False
-        if self.interval is None or boundary in (replay, junction):
+        if self.interval is None or boundary in (replay, junction) or replay - boundary <= self.tail * B:
             return True
         return self.interval > 0 and boundary % self.interval == 0
 
@@ -55,10 +59,11 @@ class Retention:
             return 0
         if self.interval is None:
             return replay // B
+        tail = min(self.tail, replay // B - 1)
         if self.interval == 0:
-            return 1
+            return 1 + tail
         periodic = replay // self.interval
-        return periodic + (0 if replay % self.interval == 0 else 1)
+        return periodic + (0 if replay % self.interval == 0 else 1) + tail
 
 
 @dataclass(frozen=True)

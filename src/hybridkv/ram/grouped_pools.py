@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from itertools import repeat
 
+from hybridkv.ram.policies import EvictionPolicy
 from hybridkv.ram.pool import Lookup, PoolEvent, SlotPool, StorePlan, make_pool
 
 log = logging.getLogger(__name__)
@@ -20,10 +21,13 @@ GroupKeys = Mapping[int, Sequence]
 
 
 class GroupedPools:
-    def __init__(self, slots_per_group: Mapping[int, int], policy: str = "lru",
-                 record_events: bool = False):
+    """``policy`` is a built-in policy's name or ``(group id, capacity) -> EvictionPolicy``."""
+
+    def __init__(self, slots_per_group: Mapping[int, int],
+                 policy: str | Callable[[int, int], EvictionPolicy] = "lru", record_events: bool = False):
         self.pools: dict[int, SlotPool] = {
-            gid: make_pool(gid, n, policy, record_events) for gid, n in slots_per_group.items()
+            gid: make_pool(gid, n, policy if isinstance(policy, str) else policy(gid, n), record_events)
+            for gid, n in slots_per_group.items()
         }
         self._request_pins: dict[str, Counter] = {}
 

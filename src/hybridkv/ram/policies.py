@@ -8,7 +8,7 @@ policy subclasses ``EvictionPolicy`` and registers in ``POLICIES``; pools never 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Hashable, Iterator, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterator, Sequence
 
 
 class EvictionPolicy:
@@ -102,6 +102,38 @@ class LRUPolicy(EvictionPolicy):
 
     def clear(self):
         self._order.clear()
+
+
+class CostAwareLRU(LRUPolicy):
+    """LRU weighed by what a page saves: among the ``window`` least recently used evictable
+    keys, evict the lowest ``recency + alpha * cost``, both scaled to [0, 1] over the window
+    (the utility Marconi, MLSys 2025, scores radix-tree nodes by). ``cost(key)`` is the
+    recompute a page saves per byte (None counts as 0); ``alpha=0`` is plain LRU."""
+
+    def __init__(self, capacity: int, cost: Callable[[Hashable], float | None], alpha: float = 1.0,
+                 window: int = 64):
+        super().__init__(capacity)
+        self.cost, self.alpha, self.window = cost, alpha, window
+
+    def evict(self, n, protected):
+        if self.alpha == 0 or n <= 0:
+            return super().evict(n, protected)
+        victims: list = []
+        for _ in range(n):
+            window: list = []
+            _take(iter(self._order), protected, self.window, window)
+            if not window:
+                for key in reversed(victims):     # all-or-nothing: put the chosen ones back
+                    self._order[key] = None
+                    self._order.move_to_end(key, last=False)
+                return None
+            costs = [self.cost(key) or 0.0 for key in window]
+            lo, span = min(costs), (max(costs) - min(costs)) or 1.0
+            last = max(1, len(window) - 1)
+            best = min(range(len(window)), key=lambda i: i / last + self.alpha * (costs[i] - lo) / span)
+            victims.append(window[best])
+            del self._order[window[best]]
+        return victims
 
 
 class ARCPolicy(EvictionPolicy):

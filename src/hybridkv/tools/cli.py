@@ -11,6 +11,9 @@ import os
 import sys
 import time
 from dataclasses import fields
+from pathlib import Path
+
+import numpy as np
 
 from hybridkv.config import CacheConfig
 from hybridkv.core.errors import HybridKVError
@@ -287,6 +290,78 @@ def _cmd_layout(args) -> int:
     return 0
 
 
+def _simulation_prompts(args) -> tuple[str, list]:
+    """The prompts ``simulate`` replays: a trace file or a named synthetic workload."""
+    import tempfile
+
+    from hybridkv.tools.simulator import workload_prompts
+    from hybridkv.tools.traces import read_trace, write_mooncake
+    from hybridkv.tools.workloads import TRACE_BLOCK, TRACE_WORKLOADS, WORKLOADS
+
+    if args.trace:
+        return os.path.basename(args.trace), [r.tokens for r in read_trace(args.trace, args.trace_format,
+                                                                              args.trace_block_tokens)]
+    if args.workload in TRACE_WORKLOADS:
+        lines = list(TRACE_WORKLOADS[args.workload]())
+        with tempfile.TemporaryDirectory() as tmp:     # through the file format users give
+            path = os.path.join(tmp, "trace.jsonl")
+            write_mooncake(path, (ids for ids, _ in lines), TRACE_BLOCK, (n for _, n in lines))
+            return args.workload, [r.tokens for r in read_trace(path, "mooncake", TRACE_BLOCK)]
+    if args.workload in WORKLOADS:
+        return args.workload, workload_prompts(args.workload)
+    raise HybridKVError(f"workload {args.workload!r} is unknown; use one of "
+                        f"{', '.join([*WORKLOADS, *TRACE_WORKLOADS])}, or give --trace")
+
+
+def _cmd_simulate(args) -> int:
+    from hybridkv.core.layout import load_layout
+    from hybridkv.tools import policy_compare
+    from hybridkv.tools.simulator import Policy, policy, replay
+
+    if bool(args.trace) == bool(args.workload):
+        raise HybridKVError("give either --trace PATH or --workload NAME")
+    if args.layout:
+        layout = load_layout(args.layout)
+    elif args.model:
+        from hybridkv.engine.engine import Engine
+
+        _quiet_transformers()
+        layout = Engine(args.model, CacheConfig(block_tokens=args.block_tokens), use_cache=False).layout
+    else:
+        layout = load_layout(Path(__file__).resolve().parents[1] / "data" / "qwen3-next-80b-a3b.json")
+    budgets = [parse_size(b, "--ram-bytes") for b in args.ram_bytes.split(",") if b.strip()]
+    if not budgets:
+        raise HybridKVError("--ram-bytes is empty; give a size or a comma list, e.g. 32G,128G")
+    name, prompts = _simulation_prompts(args)
+    B = layout.block_tokens
+    reference = args.reference_tokens or max(B, int(np.mean([len(p) for p in prompts])) // B * B)
+    if args.compare:
+        policies = args.policies.split(",") if args.policies else policy_compare.DEFAULT_POLICIES
+        for p in policies:
+            policy(p)               # unknown names fail before hours of replay
+        c = policy_compare.compare(layout, prompts, budgets, name, reference, policies,
+                                   progress=not args.json)
+        if args.plot:
+            policy_compare.plot([c.to_json()], args.plot)
+        print(json.dumps(c.to_json()) if args.json else policy_compare.table(c.to_json()))
+        return 1 if c.wrong_hits() else 0
+    from hybridkv.config import parse_retention
+
+    pol = policy(args.policy) if args.policy else Policy(
+        "custom", retention=parse_retention(args.retention), eviction=args.eviction)
+    rows = [replay(layout, prompts, b, pol, name, reference, progress=not args.json).to_dict() for b in budgets]
+    if args.json:
+        print(json.dumps(rows))
+    else:
+        print(f"{name}: {rows[0]['requests']:,} requests, {rows[0]['prompt_tokens']:,} prompt tokens, "
+              f"policy {pol.name}, unlimited ceiling {rows[0]['servable_tokens'] / max(1, rows[0]['prompt_tokens']):.1%}")
+        for r in rows:
+            print(f"  {format_size(r['budget_bytes']):>10}: hit rate {r['token_hit_rate']:.1%}, "
+                  f"{r['prefill_tokens_saved']:,} tokens and {r['flops_saved']:.3g} FLOPs saved, "
+                  f"{r['bytes_per_hit_token'] / 2**20:.2f} MiB stored per hit token, wrong hits {r['wrong_hits']}")
+    return 1 if any(r["wrong_hits"] for r in rows) else 0
+
+
 def _add_cache_flags(p) -> None:
     """One flag per CacheConfig field, documented by the field; the config validates values."""
     p.add_argument("--config", help="TOML or JSON file with cache settings")
@@ -360,6 +435,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", help="write PNG charts into this directory")
     p.add_argument("--json", action="store_true", help="one JSON object with a section per part")
     p.set_defaults(func=_cmd_bench)
+
+    p = sub.add_parser("simulate", help="replay a trace through the cache without a model; compare state policies")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--trace", help="JSONL request trace (see --trace-format)")
+    source.add_argument("--workload", help="a synthetic workload instead of a trace")
+    p.add_argument("--trace-format", choices=["mooncake", "tokens"], default="mooncake",
+                   help="mooncake: {timestamp, input_length, output_length, hash_ids}; tokens: {prompt_ids, session?}")
+    p.add_argument("--trace-block-tokens", type=_positive_int, default=512, help="tokens per Mooncake hash id")
+    p.add_argument("--layout", help="layout JSON (default: the shipped Qwen3-Next-80B-A3B layout)")
+    p.add_argument("--model", help="a built-in model's layout instead (needs torch)")
+    p.add_argument("--block-tokens", type=_positive_int, default=256, help="block size with --model")
+    p.add_argument("--ram-bytes", default="32G,128G,512G", help="RAM budget, or a comma list to sweep")
+    p.add_argument("--reference-tokens", type=_positive_int,
+                   help="context length the pools are planned for (default: the trace's mean prompt)")
+    p.add_argument("--policy", help="a named policy: dense, vllm-align, semantic, semantic-tail, periodic-N, marconi")
+    p.add_argument("--retention", default="0", help="without --policy: dense, 0 (semantic) or an interval")
+    p.add_argument("--eviction", default="lru", choices=["lru", "arc"], help="without --policy")
+    p.add_argument("--compare", action="store_true", help="every policy and the ceilings in one table")
+    p.add_argument("--policies", help="with --compare: a comma list instead of the default set")
+    p.add_argument("--plot", help="with --compare: write a PNG chart here")
+    p.add_argument("--json", action="store_true", help="one JSON object (--compare) or list")
+    p.set_defaults(func=_cmd_simulate)
 
     p = sub.add_parser("models", help="list the built-in models")
     p.add_argument("--json", action="store_true")

@@ -1,142 +1,234 @@
-"""Replays synthetic traffic through the real connector and cache — no model, no page bytes.
+"""Replays traffic through the real connector and cache — no model, no page bytes.
 
 Each request is only token ids: the ``Connector`` keys it, finds its hybrid hit, pins and
 releases the hit's pages and takes the offers a real engine makes (every full block, the
-states retention keeps) into a ``TieredCache`` whose regions hold no bytes. What comes out is what a user chooses a
-cache by: token hit rate, prefill tokens saved, bytes moved. The workloads follow the published
-ones (multi-turn chat, a shared system prompt, long-document QA, agentic sessions).
+states the policy keeps) into a ``TieredCache`` whose regions hold no bytes. What comes out
+is what a user chooses a cache by: token hit rate, prefill tokens and FLOPs saved, bytes
+stored per hit token, and wrong hits, checked against ``PrefixTruth``, an index of the
+replayed prompts that shares nothing with the connector's keys or hit rule.
+
+A ``Policy`` is which states are kept (``Retention``) plus how RAM evicts. ``policy(name)``
+builds the named ones the comparison runs; ``recommended`` is hybridkv's default.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from tqdm import tqdm
 
 from hybridkv.cache import RAM, TieredCache
 from hybridkv.config import CacheConfig
 from hybridkv.connector import Connector
-from hybridkv.core.layout import Layout
+from hybridkv.core.errors import HybridKVError
+from hybridkv.core.layout import GroupKind, Layout
+from hybridkv.core.retention import Retention, replay_boundary
+from hybridkv.ram.policies import CostAwareLRU, EvictionPolicy
 from hybridkv.ram.regions import PagelessRegion
+from hybridkv.tools.workloads import WORKLOADS
+
+# Prefill compute model of the default layout's model (Qwen3-Next-80B-A3B): 2 FLOPs per
+# active parameter per token, plus attention's score and value products over the prefix
+# (4 x 12 full-attention layers x 16 query heads x 256 dims per query-key pair).
+LINEAR_FLOPS = 2 * 3.0e9
+PAIR_FLOPS = 4 * 12 * 16 * 256
 
 
-class _Tokens:
-    def __init__(self, seed: int):
-        self.rng = np.random.default_rng(seed)
-
-    def __call__(self, lo: int, hi: int | None = None) -> list[int]:
-        n = lo if hi is None else int(self.rng.integers(lo, hi + 1))
-        return self.rng.integers(3, 150_000, n).tolist()
+def prefill_flops(lo: int, hi: int) -> float:
+    """FLOPs to compute prompt positions [lo, hi) with [0, lo) already cached."""
+    return (hi - lo) * LINEAR_FLOPS + PAIR_FLOPS * (hi * hi - lo * lo) / 2
 
 
-def multi_turn_chat(users=24, turns=6, seed=0) -> Iterator[list[int]]:
-    """Each turn = previous prompt + answer + new message; users interleave."""
-    t = _Tokens(seed)
-    history = [t(300, 1200) for _ in range(users)]
-    for _ in range(turns):
-        for u in range(users):
-            history[u] = history[u] + t(200, 600)       # the new user message
-            yield history[u]
-            history[u] = history[u] + t(100, 400)       # the answer joins the history
+class PromptEndOnly(Retention):
+    """vLLM's own hybrid caching: one state at each prompt's replay boundary, no junctions."""
+
+    def keeps(self, boundary: int, n_tokens: int, junction: int | None = None) -> bool:
+        return super().keeps(boundary, n_tokens, None)
 
 
-def shared_system_prompt(users=160, system_prompts=3, seed=1) -> Iterator[list[int]]:
-    """Many users behind a few long system prompts, each with one short question."""
-    t = _Tokens(seed)
-    systems = [t(3000, 6000) for _ in range(system_prompts)]
-    rng = np.random.default_rng(seed + 100)
-    for _ in range(users):
-        yield systems[int(rng.integers(system_prompts))] + t(50, 300)
+@dataclass(frozen=True)
+class Policy:
+    """``retention``: dense (None), 0 (semantic) or an interval; ``junctions``: keep a state
+    where attention reached deeper than any state; ``eviction``: lru, arc or ``flop`` (recency
+    weighed against recompute FLOPs saved per byte, ``alpha`` the weight); ``states=False``
+    makes state pages cost nothing (the attention-only ceiling)."""
+
+    name: str
+    retention: int | None = 0
+    junctions: bool = True
+    eviction: str = "lru"
+    alpha: float = 0.0
+    states: bool = True
+    tail: int = 0
+
+    def keeper(self, block_tokens: int) -> Retention:
+        kind = Retention if self.junctions else PromptEndOnly
+        return kind(block_tokens, self.retention, self.tail)
 
 
-def document_qa(documents=12, questions=6, seed=2) -> Iterator[list[int]]:
-    """Long documents asked several questions each, documents interleaved in pairs."""
-    t = _Tokens(seed)
-    docs = [t(8000, 16000) for _ in range(documents)]
-    for pair in range(0, documents, 2):
-        for _ in range(questions):
-            for d in (pair, pair + 1):
-                if d < documents:
-                    yield docs[d] + t(30, 120)
+RECOMMENDED = "semantic-tail"
+POLICY_NAMES = ("dense", "vllm-align", "semantic", "semantic-tail", "periodic-N", "marconi")
 
 
-def agentic(sessions=16, steps=8, seed=3) -> Iterator[list[int]]:
-    """Sessions sharing a tool schema; each step appends a tool call and its result."""
-    t = _Tokens(seed)
-    tools = t(4000)
-    trajectories = [tools + t(200, 800) for _ in range(sessions)]
-    for _ in range(steps):
-        for s in range(sessions):
-            yield trajectories[s]
-            trajectories[s] = trajectories[s] + t(50, 200) + t(300, 1500)
+def policy(name: str) -> Policy:
+    """A named policy: dense, vllm-align, semantic, periodic-N (N tokens) or marconi."""
+    if name == "dense":
+        return Policy(name, retention=None)
+    if name == "vllm-align":
+        return Policy(name, junctions=False)
+    if name == "semantic":
+        return Policy(name)
+    if name == "semantic-tail":       # hybridkv's default: semantic plus the state a block before the end
+        return Policy(name, tail=1)
+    if name == "marconi":     # branch-point states (junctions) and FLOP-aware eviction
+        return Policy(name, eviction="flop", alpha=1.0)
+    if name.startswith("periodic-") and name[9:].isdigit() and int(name[9:]) > 0:
+        return Policy(name, retention=int(name[9:]))
+    raise HybridKVError(f"policy {name!r} is unknown; use {', '.join(POLICY_NAMES)} (e.g. periodic-4096)")
 
 
-WORKLOADS = {"multi_turn_chat": multi_turn_chat, "shared_system_prompt": shared_system_prompt,
-             "document_qa": document_qa, "agentic": agentic}
+def attention_only(layout: Layout) -> Layout:
+    """The layout with its state groups removed: what a cache whose states cost nothing holds."""
+    return dataclasses.replace(layout, groups=tuple(g for g in layout.groups if g.kind is not GroupKind.STATE))
+
+
+class PrefixTruth:
+    """Every prompt replayed so far as a tree of blocks keyed by their raw token bytes; how
+    deep a new prompt's tokens were seen before is how deep any correct cache could serve it."""
+
+    def __init__(self, block_tokens: int):
+        self.B = block_tokens
+        self.children: dict[tuple[int, int], int] = {}
+
+    def servable_then_add(self, tokens: np.ndarray) -> int:
+        """Tokens of ``tokens`` a correct hit may restore (up to its replay boundary), then
+        record the prompt."""
+        B, children = self.B, self.children
+        raw = np.ascontiguousarray(tokens, dtype=np.int64).tobytes()
+        step, node, seen = B * 8, 0, 0
+        for i in range(len(tokens) // B):
+            edge = (node, hash(raw[i * step:(i + 1) * step]))
+            nxt = children.get(edge)
+            if nxt is None:
+                nxt = children[edge] = len(children) + 1
+            else:      # after the first new block every later one is new too
+                seen = i + 1
+            node = nxt
+        return min(seen * B, replay_boundary(len(tokens), B))
 
 
 @dataclass
 class SimResult:
+    policy: str
     workload: str
-    retention: int | None
-    eviction: str
     budget_bytes: int
     requests: int
     prompt_tokens: int
     prefill_tokens_saved: int
+    flops_saved: float
+    servable_tokens: int          # what unlimited memory and every state could have restored
+    wrong_hits: int
     ram_bytes_stored: int
     ram_bytes_loaded: int
-    prefill_seconds_saved: float
 
     @property
     def token_hit_rate(self) -> float:
         return self.prefill_tokens_saved / max(1, self.prompt_tokens)
 
+    @property
+    def unlimited_rate(self) -> float:
+        return self.servable_tokens / max(1, self.prompt_tokens)
+
+    @property
+    def bytes_per_hit_token(self) -> float:
+        return self.ram_bytes_stored / max(1, self.prefill_tokens_saved)
+
     def to_dict(self) -> dict:
-        return {**vars(self), "token_hit_rate": self.token_hit_rate}
+        return {**vars(self), "token_hit_rate": self.token_hit_rate,
+                "bytes_per_hit_token": self.bytes_per_hit_token}
 
 
-def prefill_seconds(tokens_from: int, tokens_to: int, per_token_s: float, per_token_sq_s: float) -> float:
-    """Compute-cost model: linear work plus attention's quadratic term over the computed span."""
-    n = tokens_to - tokens_from
-    return n * per_token_s + per_token_sq_s * (tokens_to**2 - tokens_from**2) / 2
+def _cost_aware(costs: dict[int, dict], alpha: float) -> Callable[[int, int], EvictionPolicy]:
+    def make(gid: int, capacity: int) -> EvictionPolicy:
+        return CostAwareLRU(capacity, costs.setdefault(gid, {}).get, alpha)
+    return make
 
 
-def simulate(layout: Layout, workload: str, budget_bytes: int, retention: int | None = 0,
-             eviction: str = "lru", reference_tokens: int = 8192, scale: float = 1.0,
-             per_token_s: float = 2e-4, per_token_sq_s: float = 2e-9) -> SimResult:
-    """Replay one workload through the real ``Connector`` over a pageless ``TieredCache``
-    planned from ``budget_bytes``, offering what the reference engine offers at each block end."""
+def replay(layout: Layout, requests: Sequence[np.ndarray] | Iterable[np.ndarray], budget_bytes: int,
+           pol: Policy, workload: str = "", reference_tokens: int = 8192,
+           connector: type[Connector] = Connector, progress: bool = False) -> SimResult:
+    """Replay prompts (token id arrays) through the real ``Connector`` over a pageless
+    ``TieredCache`` planned from ``budget_bytes``, offering what an engine offers at each block
+    end, and check every hit against ``PrefixTruth``."""
+    if not pol.states:
+        layout = attention_only(layout)
     B = layout.block_tokens
-    config = CacheConfig(block_tokens=B, ram_bytes=budget_bytes, eviction=eviction,
-                         retention=retention, reference_tokens=reference_tokens)
-    cache = TieredCache(layout, config, secondaries=[], pageless=True)
-    conn = Connector(cache)
+    config = CacheConfig(block_tokens=B, ram_bytes=budget_bytes, eviction="lru" if pol.eviction == "flop"
+                         else pol.eviction, retention=pol.retention, tail_states=pol.tail,
+                         reference_tokens=reference_tokens)
+    costs: dict[int, dict] = {}
+    cache = TieredCache(layout, config, secondaries=[], pageless=True,
+                        eviction=_cost_aware(costs, pol.alpha) if pol.eviction == "flop" else None)
+    conn = connector(cache, pol.keeper(B))
     token_pages = dict.fromkeys(conn.token_groups, PagelessRegion.EMPTY)
     state_pages = dict.fromkeys(conn.state_groups, PagelessRegion.EMPTY)
-    sizes = {"users": 24, "turns": 6} if workload == "multi_turn_chat" else {}
-    gen = WORKLOADS[workload](**{k: max(1, int(v * scale)) for k, v in sizes.items()})
-    requests = prompt_tokens = 0
-    seconds_saved = 0.0
+    token_bytes = sum(layout.group(g).page_bytes for g in conn.token_groups)
+    state_bytes = sum(layout.group(g).page_bytes for g in conn.state_groups)
+    block_cost = [costs.setdefault(g, {}) for g in conn.token_groups] if pol.eviction == "flop" else []
+    state_cost = [costs.setdefault(g, {}) for g in conn.state_groups] if pol.eviction == "flop" else []
+    truth = PrefixTruth(B)
+    n = prompt = saved = servable = wrong = 0
+    flops = 0.0
     try:
-        for tokens in gen:
-            req = conn.begin(f"sim-{requests}", tokens)
-            requests += 1
-            prompt_tokens += len(tokens)
+        for tokens in tqdm(requests, desc=f"{pol.name} {budget_bytes / 2**30:g} GiB", unit="req",
+                           disable=not progress, leave=False):
+            req = conn.begin(f"sim-{n}", tokens)
+            n += 1
+            prompt += len(tokens)
+            could = truth.servable_then_add(tokens)
+            servable += could
             hit = 0
             if req.hit_tokens and conn.load(req) is not None:
                 hit = req.hit_tokens
                 conn.release(req)
-                seconds_saved += prefill_seconds(0, hit, per_token_s, per_token_sq_s)
+                flops += prefill_flops(0, hit)
+            if hit > could:
+                wrong += 1
+            saved += hit
+            last_state = hit
             for boundary in range(hit + B, len(tokens) + 1, B):
-                if token_pages and conn.wants_block(req, boundary // B - 1):
-                    conn.offer_block(req, boundary // B - 1, token_pages)
-                if conn.wants_state(req, boundary):
+                block = boundary // B - 1
+                if token_pages and conn.wants_block(req, block):
+                    for table in block_cost:
+                        table[req.keys[block]] = prefill_flops(boundary - B, boundary) / token_bytes
+                    conn.offer_block(req, block, token_pages)
+                if state_pages and conn.wants_state(req, boundary):
+                    for table in state_cost:
+                        table[req.keys[block]] = prefill_flops(last_state, boundary) / state_bytes
+                    last_state = boundary
                     conn.offer_state(req, boundary, state_pages)
             conn.finish(req)
         ram = cache.counters[RAM]
-        return SimResult(workload, retention, eviction, budget_bytes, requests, prompt_tokens,
-                         conn.stats["hit_tokens"], ram.bytes_in, ram.bytes_out, seconds_saved)
+        return SimResult(pol.name, workload, budget_bytes, n, prompt, saved, flops, servable, wrong,
+                         ram.bytes_in, ram.bytes_out)
     finally:
         cache.close()
+
+
+def workload_prompts(workload: str, scale: float = 1.0) -> list[np.ndarray]:
+    """A synthetic workload's prompts as token id arrays."""
+    if workload not in WORKLOADS:
+        raise HybridKVError(f"workload {workload!r} is unknown; use one of {', '.join(WORKLOADS)}")
+    sizes = {"users": 24, "turns": 6} if workload == "multi_turn_chat" else {}
+    gen = WORKLOADS[workload](**{k: max(1, int(v * scale)) for k, v in sizes.items()})
+    return [np.asarray(t, dtype=np.int64) for t in gen]
+
+
+def simulate(layout: Layout, workload: str, budget_bytes: int, retention: int | None = 0,
+             eviction: str = "lru", reference_tokens: int = 8192, scale: float = 1.0) -> SimResult:
+    """One synthetic workload under one retention and eviction (the benchmark's sweep)."""
+    pol = Policy(f"{retention}/{eviction}", retention=retention, eviction=eviction)
+    return replay(layout, workload_prompts(workload, scale), budget_bytes, pol, workload, reference_tokens)

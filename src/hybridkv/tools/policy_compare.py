@@ -1,0 +1,147 @@
+"""Every state policy on one trace and the same RAM budgets, beside the ceilings that bound them.
+
+The attention-only ceiling at equal bytes replays the trace with state pages costing nothing
+(all bytes go to attention pages and every boundary has a state): no state policy can do
+better at that budget. The unlimited ceiling is what the trace's repeated prefixes allow at
+all. Marconi's weight between recency and FLOPs saved is tuned per budget on the first part
+of the trace, as its paper bootstraps it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from hybridkv.core.layout import Layout
+from hybridkv.tools.simulator import RECOMMENDED, Policy, SimResult, policy, replay
+
+DEFAULT_POLICIES = ("dense", "vllm-align", "semantic", "periodic-4096", "periodic-16384", "marconi", RECOMMENDED)
+MARCONI_ALPHAS = (0.0, 0.5, 1.0, 2.0, 4.0)
+TUNING_SHARE = 0.15
+
+
+@dataclass
+class Comparison:
+    workload: str
+    budgets: list[int]
+    results: dict[str, list[SimResult]]     # policy -> one result per budget
+    ceiling: list[SimResult]                # attention-only at equal bytes
+    recommended: str = RECOMMENDED
+
+    @property
+    def ceiling_unlimited(self) -> float:
+        return self.ceiling[0].unlimited_rate
+
+    def best(self) -> list[str]:
+        """The policy with the highest token hit rate per budget (the recommended one on ties)."""
+        out = []
+        for i in range(len(self.budgets)):
+            top = max(r[i].token_hit_rate for r in self.results.values())
+            out.append(self.recommended if self.results[self.recommended][i].token_hit_rate >= top
+                       else max(self.results, key=lambda name: self.results[name][i].token_hit_rate))
+        return out
+
+    def wrong_hits(self) -> int:
+        return sum(r.wrong_hits for rs in self.results.values() for r in rs) + sum(r.wrong_hits for r in self.ceiling)
+
+    def to_json(self) -> dict:
+        return {
+            "workload": self.workload, "budgets": self.budgets,
+            "policies": {name: {"token_hit_rate": [r.token_hit_rate for r in rs],
+                                "wrong_hits": sum(r.wrong_hits for r in rs),
+                                "prefill_tokens_saved": [r.prefill_tokens_saved for r in rs],
+                                "flops_saved": [r.flops_saved for r in rs],
+                                "bytes_per_hit_token": [r.bytes_per_hit_token for r in rs]}
+                         for name, rs in self.results.items()},
+            "ceiling_equal_bytes": [r.token_hit_rate for r in self.ceiling],
+            "ceiling_unlimited": self.ceiling_unlimited,
+            "recommended": self.recommended, "best": self.best(),
+            "requests": self.ceiling[0].requests, "prompt_tokens": self.ceiling[0].prompt_tokens,
+        }
+
+
+def _tuned_marconi(layout: Layout, prompts: Sequence[np.ndarray], budget: int, reference_tokens: int) -> Policy:
+    """Marconi's alpha with the most FLOPs saved on the first part of the trace."""
+    head = prompts[: max(1, int(len(prompts) * TUNING_SHARE))]
+    base = policy("marconi")
+    best = max(MARCONI_ALPHAS, key=lambda a: replay(layout, head, budget, dataclasses.replace(base, alpha=a),
+                                                     reference_tokens=reference_tokens).flops_saved)
+    return dataclasses.replace(base, alpha=best)
+
+
+def compare(layout: Layout, prompts: Sequence[np.ndarray], budgets: Sequence[int], workload: str = "",
+            reference_tokens: int = 8192, policies: Sequence[str] = DEFAULT_POLICIES,
+            progress: bool = False) -> Comparison:
+    """Replay ``prompts`` under every policy and budget, and the attention-only ceiling."""
+    names = list(dict.fromkeys([*policies, RECOMMENDED]))
+    runs = [(name, b) for name in [*names, "ceiling"] for b in budgets]
+    results: dict[str, list[SimResult]] = {name: [] for name in names}
+    ceiling: list[SimResult] = []
+    for name, budget in tqdm(runs, desc=workload or "compare", unit="run", disable=not progress):
+        if name == "ceiling":
+            pol = Policy("attention-only ceiling", states=False)
+        elif name == "marconi":
+            pol = _tuned_marconi(layout, prompts, budget, reference_tokens)
+        else:
+            pol = policy(name)
+        result = replay(layout, prompts, budget, pol, workload, reference_tokens, progress=progress)
+        (ceiling if name == "ceiling" else results[name]).append(result)
+    return Comparison(workload, list(budgets), results, ceiling)
+
+
+def _gib(b: int) -> str:
+    return f"{b / 2**30:g} GiB"
+
+
+def table(c: dict) -> str:
+    """Markdown from ``Comparison.to_json()``: token hit rate per policy and budget, the
+    ceilings, and the recommended policy's share of the equal-bytes ceiling."""
+    budgets, ceiling = c["budgets"], c["ceiling_equal_bytes"]
+    lines = ["| policy | " + " | ".join(_gib(b) for b in budgets) + " | wrong hits | MiB stored per hit token |",
+             "|---|" + "---:|" * (len(budgets) + 2)]
+    for name, p in c["policies"].items():
+        label = f"**{name}** (recommended)" if name == c["recommended"] else name
+        per_token = " / ".join(f"{v / 2**20:.2f}" if r else "-" for v, r in zip(p["bytes_per_hit_token"], p["token_hit_rate"], strict=True))
+        lines.append(f"| {label} | " + " | ".join(f"{r:.1%}" for r in p["token_hit_rate"])
+                     + f" | {p['wrong_hits']} | {per_token} |")
+    lines.append("| attention-only ceiling, equal bytes | " + " | ".join(f"{r:.1%}" for r in ceiling) + " | | |")
+    lines.append(f"| unlimited ceiling | {c['ceiling_unlimited']:.1%}" + " |" * (len(budgets) + 1) + " |")
+    ratios = [f"{r / top:.2f}x" if top else "-" for r, top in zip(c["policies"][c["recommended"]]["token_hit_rate"], ceiling, strict=True)]
+    lines.append(f"| {c['recommended']} / equal-bytes ceiling | " + " | ".join(ratios) + " | | |")
+    return "\n".join(lines)
+
+
+def plot(comparisons: Sequence[dict], path: str | Path) -> Path:
+    """One panel per trace (from ``Comparison.to_json()``): token hit rate against budget per
+    policy, the equal-bytes ceiling dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = min(4, len(comparisons))
+    rows = -(-len(comparisons) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+    for ax in axes.flat[len(comparisons):]:
+        ax.axis("off")
+    for ax, c in zip(axes.flat, comparisons, strict=False):
+        x = [b / 2**30 for b in c["budgets"]]
+        for name, p in c["policies"].items():
+            ax.plot(x, p["token_hit_rate"], marker="o", lw=2.5 if name == c["recommended"] else 1, label=name)
+        ax.plot(x, c["ceiling_equal_bytes"], "k--", label="attention-only ceiling")
+        ax.axhline(c["ceiling_unlimited"], color="grey", lw=0.8, ls=":", label="unlimited ceiling")
+        ax.set_xscale("log", base=2)
+        ax.set_title(c["workload"], fontsize=9)
+        ax.set_xlabel("RAM budget (GiB)")
+        ax.set_ylabel("token hit rate")
+    axes.flat[0].legend(fontsize=6)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
