@@ -130,6 +130,8 @@ def test_compare_runs_every_policy_under_the_unlimited_ceiling(tmp_path):
     for rates in [p["token_hit_rate"] for p in out["policies"].values()] + [out["ceiling_equal_bytes"]]:
         assert len(rates) == 3 and all(0 <= r <= out["ceiling_unlimited"] for r in rates)
     assert out["ceiling_equal_bytes"][-1] > 0 and len(out["best"]) == 3
+    assert all(0 < s < 1 for s in out["recommended_attention_share"])
+    assert len(out["ceiling_at_recommended_attention_bytes"]) == 3
 
 
 def test_simulate_cli_compare_json_and_plot(tmp_path):

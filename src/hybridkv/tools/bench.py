@@ -2,7 +2,8 @@
 
 Parts: tier copy speeds (RAM slots vs plain memcpy; filesystem tier vs the same writes and
 reads done raw; Redis batched vs per-key vs redis-benchmark), manager operations per second,
-restore vs recompute TTFT on the default model, and the workload simulator.
+restore vs recompute TTFT on the default model. State policies on workloads and traces are
+``bench_policies``.
 """
 
 from __future__ import annotations
@@ -21,10 +22,9 @@ from pathlib import Path
 import numpy as np
 
 from hybridkv.config import CacheConfig
-from hybridkv.core.layout import layout_from_dict, load_layout
+from hybridkv.core.layout import layout_from_dict
 from hybridkv.tiers import pagefile
 from hybridkv.tools import bench_manager
-from hybridkv.tools.simulator import WORKLOADS, simulate
 
 GB = 1e9
 MiB = 1024 * 1024
@@ -651,20 +651,6 @@ def _page_spans(pack: Path) -> list[int]:
         os.close(fd)
 
 
-# -- 4. simulator -----------------------------------------------------------------------------
-def bench_simulator(quick: bool) -> list[dict]:
-    layout = load_layout(Path(__file__).resolve().parents[1] / "data" / "qwen3-next-80b-a3b.json")
-    budgets = [4, 16] if quick else [2, 4, 8, 16, 32]
-    rows = []
-    for workload in WORKLOADS:
-        for retention in (None, 0, 2048):
-            for eviction in ("lru", "arc"):
-                for gib in budgets:
-                    r = simulate(layout, workload, gib * 1024**3, retention, eviction, reference_tokens=8192)
-                    rows.append(r.to_dict())
-    return rows
-
-
 MANAGER_SLOTS = {False: (10_000, 200_000, 1_000_000), True: (10_000, 100_000)}
 
 
@@ -709,8 +695,6 @@ def run_bench(quick: bool = False, remote: str | None = None, manager_slots: int
     progress("restore vs recompute")
     out["restore"] = bench_restore([1024, 4096] if quick else [1024, 4096, 16384, 32000], repeats=2 if quick else 3,
                                    ram_dir=ram_dir)
-    progress("workload simulator")
-    out["simulator"] = bench_simulator(quick)
     out["seconds"] = time.perf_counter() - started
     return out
 

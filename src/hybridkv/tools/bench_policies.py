@@ -47,14 +47,14 @@ def _reference(prompts, block_tokens: int) -> int:
     return max(block_tokens, int(np.mean([len(p) for p in prompts])) // block_tokens * block_tokens)
 
 
-def run(traces: Path | None = None, quick: bool = False) -> dict:
+def run(traces: Path | None = None, quick: bool = False, synthetic: bool = True) -> dict:
     layout = load_layout(LAYOUT)
     B = layout.block_tokens
     sources: list[tuple[str, object, tuple[int, ...]]] = []
-    for name in WORKLOADS:
-        sources.append((name, lambda n=name: workload_prompts(n, 0.5 if quick else 1.0), WORKLOAD_BUDGETS))
     tmp = tempfile.TemporaryDirectory()
-    for name in TRACE_WORKLOADS:
+    for name in WORKLOADS if synthetic else ():
+        sources.append((name, lambda n=name: workload_prompts(n, 0.5 if quick else 1.0), WORKLOAD_BUDGETS))
+    for name in TRACE_WORKLOADS if synthetic else ():
         sources.append((name, lambda n=name: _generated(n, tmp.name, quick), TRACE_BUDGETS))
     for path in sorted(traces.glob("*.jsonl")) if traces else []:
         sources.append((path.name, lambda p=path: [r.tokens for r in read_trace(p)], TRACE_BUDGETS))
@@ -84,11 +84,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("docs/bench_policies.json"))
     parser.add_argument("--plot", type=Path, help="PNG chart of every comparison")
     parser.add_argument("--quick", action="store_true", help="smaller generated traces and workloads")
+    parser.add_argument("--traces-only", action="store_true", help="replay only the files in --traces")
     args = parser.parse_args(argv)
     if args.traces is not None and not args.traces.is_dir():
         print(f"bench_policies: error: --traces {args.traces} is not a directory", file=sys.stderr)
         return 2
-    results = run(args.traces, args.quick)
+    if args.traces_only and args.traces is None:
+        print("bench_policies: error: --traces-only needs --traces DIR", file=sys.stderr)
+        return 2
+    results = run(args.traces, args.quick, synthetic=not args.traces_only)
     tmp = args.out.with_name(args.out.name + ".tmp")
     tmp.write_text(json.dumps(results, indent=1))
     tmp.replace(args.out)

@@ -18,6 +18,7 @@ import numpy as np
 from tqdm import tqdm
 
 from hybridkv.core.layout import Layout
+from hybridkv.core.planner import plan_pools
 from hybridkv.tools.simulator import RECOMMENDED, Policy, SimResult, policy, replay
 
 DEFAULT_POLICIES = ("dense", "vllm-align", "semantic", "periodic-4096", "periodic-16384", "marconi", RECOMMENDED)
@@ -31,6 +32,8 @@ class Comparison:
     budgets: list[int]
     results: dict[str, list[SimResult]]     # policy -> one result per budget
     ceiling: list[SimResult]                # attention-only at equal bytes
+    share_ceiling: list[SimResult]          # attention-only at the recommended plan's KV bytes
+    attention_share: list[float]            # of each budget, the recommended plan's KV pages
     recommended: str = RECOMMENDED
 
     @property
@@ -60,6 +63,8 @@ class Comparison:
                          for name, rs in self.results.items()},
             "ceiling_equal_bytes": [r.token_hit_rate for r in self.ceiling],
             "ceiling_unlimited": self.ceiling_unlimited,
+            "recommended_attention_share": self.attention_share,
+            "ceiling_at_recommended_attention_bytes": [r.token_hit_rate for r in self.share_ceiling],
             "recommended": self.recommended, "best": self.best(),
             "requests": self.ceiling[0].requests, "prompt_tokens": self.ceiling[0].prompt_tokens,
         }
@@ -77,21 +82,27 @@ def _tuned_marconi(layout: Layout, prompts: Sequence[np.ndarray], budget: int, r
 def compare(layout: Layout, prompts: Sequence[np.ndarray], budgets: Sequence[int], workload: str = "",
             reference_tokens: int = 8192, policies: Sequence[str] = DEFAULT_POLICIES,
             progress: bool = False) -> Comparison:
-    """Replay ``prompts`` under every policy and budget, and the attention-only ceiling."""
+    """Replay ``prompts`` under every policy and budget, the attention-only ceiling at equal
+    bytes, and the same ceiling at the bytes the recommended plan gives KV pages (what bounds
+    any policy that must also pay for its states)."""
     names = list(dict.fromkeys([*policies, RECOMMENDED]))
-    runs = [(name, b) for name in [*names, "ceiling"] for b in budgets]
-    results: dict[str, list[SimResult]] = {name: [] for name in names}
-    ceiling: list[SimResult] = []
+    rec = policy(RECOMMENDED)
+    token_bytes = sum(g.page_bytes for g in layout.cacheable_groups if g.is_token_group)
+    shares = [plan_pools(layout, b, rec.retention, reference_tokens, None, rec.tail).token_slots * token_bytes
+              for b in budgets]
+    runs = [(name, b) for name in names for b in budgets]
+    runs += [("ceiling", b) for b in budgets] + [("share", b) for b in shares]
+    results: dict[str, list[SimResult]] = {name: [] for name in [*names, "ceiling", "share"]}
     for name, budget in tqdm(runs, desc=workload or "compare", unit="run", disable=not progress):
-        if name == "ceiling":
+        if name in ("ceiling", "share"):
             pol = Policy("attention-only ceiling", states=False)
         elif name == "marconi":
             pol = _tuned_marconi(layout, prompts, budget, reference_tokens)
         else:
             pol = policy(name)
-        result = replay(layout, prompts, budget, pol, workload, reference_tokens, progress=progress)
-        (ceiling if name == "ceiling" else results[name]).append(result)
-    return Comparison(workload, list(budgets), results, ceiling)
+        results[name].append(replay(layout, prompts, budget, pol, workload, reference_tokens, progress=progress))
+    ceiling, share = results.pop("ceiling"), results.pop("share")
+    return Comparison(workload, list(budgets), results, ceiling, share, [s / b for s, b in zip(shares, budgets, strict=True)])
 
 
 def _gib(b: int) -> str:
@@ -111,8 +122,15 @@ def table(c: dict) -> str:
                      + f" | {p['wrong_hits']} | {per_token} |")
     lines.append("| attention-only ceiling, equal bytes | " + " | ".join(f"{r:.1%}" for r in ceiling) + " | | |")
     lines.append(f"| unlimited ceiling | {c['ceiling_unlimited']:.1%}" + " |" * (len(budgets) + 1) + " |")
-    ratios = [f"{r / top:.2f}x" if top else "-" for r, top in zip(c["policies"][c["recommended"]]["token_hit_rate"], ceiling, strict=True)]
-    lines.append(f"| {c['recommended']} / equal-bytes ceiling | " + " | ".join(ratios) + " | | |")
+    rec = c["policies"][c["recommended"]]["token_hit_rate"]
+    share = c["ceiling_at_recommended_attention_bytes"]
+    lines.append("| attention-only ceiling at the KV bytes " + c["recommended"] + " keeps ("
+                 + " / ".join(f"{s:.0%}" for s in c["recommended_attention_share"]) + " of the budget) | "
+                 + " | ".join(f"{r:.1%}" for r in share) + " | | |")
+    lines.append(f"| {c['recommended']} / equal-bytes ceiling | " + " | ".join(
+        f"{r / top:.2f}x" if top else "-" for r, top in zip(rec, ceiling, strict=True)) + " | | |")
+    lines.append(f"| {c['recommended']} / ceiling at its KV bytes | " + " | ".join(
+        f"{r / top:.2f}x" if top else "-" for r, top in zip(rec, share, strict=True)) + " | | |")
     return "\n".join(lines)
 
 
