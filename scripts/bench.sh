@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Regenerates docs/benchmarks.md, docs/bench.json and docs/img/*.png with one full run.
 # A throwaway redis-server on a loopback port is started for the remote-tier figures when
-# redis-server is installed. Pass --quick for the two-minute version.
+# redis-server is installed. Pass --quick for the two-minute version. HYBRIDKV_TRACES names a
+# directory of Mooncake-format traces (*.jsonl) the state-policy comparison replays as well.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -19,5 +20,10 @@ mkdir -p docs/img
 .venv/bin/hybridkv bench "$@" "${remote[@]}" --plot docs/img --json > docs/bench.json.tmp
 mv docs/bench.json.tmp docs/bench.json
 .venv/bin/python -m hybridkv.tools.bench_lookup --out docs/bench_lookup.json   # about a minute
+traces=()
+if [ -n "${HYBRIDKV_TRACES:-}" ]; then traces=(--traces "$HYBRIDKV_TRACES"); fi
+# every state policy on workloads and traces (about 15 minutes with the two public traces)
+.venv/bin/python -m hybridkv.tools.bench_policies "${traces[@]}" --out docs/bench_policies.json \
+  --plot docs/img/policies.png > /dev/null
 .venv/bin/python -m hybridkv.tools.bench_report docs/bench.json docs/benchmarks.md
 echo "wrote docs/benchmarks.md"

@@ -133,7 +133,7 @@ def test_promotion_waits_for_write_through_pins_instead_of_missing(tmp_path):
 
 
 def test_a_store_refused_for_want_of_ram_releases_the_held_write_through(tmp_path, monkeypatch):
-    monkeypatch.setattr(filesystem, "PACK_LINGER_S", 600)      # only a flush writes held pages
+    monkeypatch.setattr(filesystem.writes, "PACK_LINGER_S", 600)      # only a flush writes held pages
     small = LAYOUT.group(0).page_bytes * 3 + LAYOUT.group(1).page_bytes * 4
     config = CacheConfig(block_tokens=16, ram_bytes=small, reference_tokens=32, store=str(tmp_path))
     with TieredCache(LAYOUT, config) as cache:

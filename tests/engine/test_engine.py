@@ -89,7 +89,7 @@ def test_hit_at_replay_boundary_when_prompt_is_block_aligned(tmp_path):
 
 
 def test_missing_state_at_deepest_boundary_drops_to_previous_state(tmp_path, monkeypatch):
-    monkeypatch.setattr(filesystem, "PACK_MAX_PAGE", 0)    # a file per page, to remove one
+    monkeypatch.setattr(filesystem.writes, "PACK_MAX_PAGE", 0)    # a file per page, to remove one
     ids = prompt(5 * B + 3)
     cfg = CacheConfig(block_tokens=B, store=str(tmp_path), retention=2 * B)
     with Engine("tiny-hybrid", cfg) as engine:
@@ -109,7 +109,7 @@ def test_a_corrupt_page_read_while_restoring_shortens_the_hit_and_the_output_sta
     """The restore copies pages into the model's cache as their reads land; a page that does
     not read back makes the load look again and serve a shorter hit, and what was copied for
     the longer one must not leak into it."""
-    monkeypatch.setattr(filesystem, "PACK_MAX_PAGE", 0)    # a file per page: one goes bad alone
+    monkeypatch.setattr(filesystem.writes, "PACK_MAX_PAGE", 0)    # a file per page: one goes bad alone
     ids = prompt(5 * B + 3, seed=5)
     cfg = CacheConfig(block_tokens=B, store=str(tmp_path), retention=2 * B)
     with Engine("tiny-hybrid", cfg) as engine:

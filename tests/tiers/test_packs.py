@@ -62,7 +62,7 @@ def test_pages_written_together_share_one_pack_and_restore_in_one_read_after_a_r
 
 
 def test_reads_of_a_large_pack_are_split_into_runs_and_skip_gaps(tmp_path, monkeypatch):
-    monkeypatch.setattr(filesystem, "RUN_BYTES", 4 * (4096 + 16384) + 4096)   # 4 pairs of pages
+    monkeypatch.setattr(filesystem.reads, "RUN_BYTES", 4 * (4096 + 16384) + 4096)   # 4 pairs of pages
     tier = FilesystemTier(tmp_path, LAYOUT)
     write_packed(tier, range(40))
     wanted = [i for i in range(40) if i != 20]                            # a gap splits a run too
@@ -122,7 +122,7 @@ def test_a_table_whose_pages_overlap_or_stray_is_refused(entries):
 
 
 def test_held_pages_are_written_at_flush(tmp_path, monkeypatch):
-    monkeypatch.setattr(filesystem, "PACK_LINGER_S", 600)
+    monkeypatch.setattr(filesystem.writes, "PACK_LINGER_S", 600)
     tier = FilesystemTier(tmp_path, LAYOUT)
     futures = tier.submit_writes([(0, key(1), page(0, 1)), (1, key(1), page(1, 1))])
     assert not any(f.done() for f in futures) and not packs(tier)        # held for company
@@ -132,7 +132,7 @@ def test_held_pages_are_written_at_flush(tmp_path, monkeypatch):
 
 
 def test_close_writes_held_pages(tmp_path, monkeypatch):
-    monkeypatch.setattr(filesystem, "PACK_LINGER_S", 600)
+    monkeypatch.setattr(filesystem.writes, "PACK_LINGER_S", 600)
     tier = FilesystemTier(tmp_path, LAYOUT)
     futures = tier.submit_writes([(0, key(1), page(0, 1))])
     tier.close()
@@ -142,7 +142,7 @@ def test_close_writes_held_pages(tmp_path, monkeypatch):
 
 
 def test_large_pages_keep_files_of_their_own(tmp_path, monkeypatch):
-    monkeypatch.setattr(filesystem, "PACK_MAX_PAGE", 8192)                 # group 1's 16 KiB pages are large
+    monkeypatch.setattr(filesystem.writes, "PACK_MAX_PAGE", 8192)                 # group 1's 16 KiB pages are large
     tier = FilesystemTier(tmp_path, LAYOUT)
     write_packed(tier, range(4))
     assert len(packs(tier)) == 1 and len(list(tier.namespace.glob("g1/*/*.blk"))) == 4
@@ -246,12 +246,12 @@ def test_misses_relist_a_packs_directory_others_write_to_at_most_so_often(tmp_pa
     write_packed(tier, range(2))                 # our own pack changes the directory too
     assert tier.wait_scanned(30) and not tier.contains(1, key(7)) and tier.wait_discovered(30)
     listings = tier.stats["pack_listings"]
-    monkeypatch.setattr(filesystem, "PACK_RELIST_S", 600)
+    monkeypatch.setattr(filesystem.scan, "PACK_RELIST_S", 600)
     assert worker("write", tmp_path, 20).returncode == 0
     assert not tier.contains(1, key(7)) and tier.wait_discovered(30)
     assert not tier.contains(1, key(7))          # listed too recently: a miss, not a wrong hit
     assert tier.wait_discovered(30) and tier.stats["pack_listings"] == listings
-    monkeypatch.setattr(filesystem, "PACK_RELIST_S", 0)
+    monkeypatch.setattr(filesystem.scan, "PACK_RELIST_S", 0)
     assert not tier.contains(1, key(7)) and tier.wait_discovered(30)
     assert tier.contains(1, key(7)) and all(read_all(tier, range(20)))
     assert tier.stats["pack_listings"] == listings + 1
@@ -343,21 +343,10 @@ def test_keys_of_mixed_lengths_and_trailing_zero_bytes_survive_a_restart(tmp_pat
 
 
 def check_index(tier) -> None:
-    """The index agrees with itself and with the disk: every packed location names a pack
-    that counts it, every pack the order or the idle list holds is on disk, and the bytes
-    counted are the bytes of the files indexed."""
-    counted = {}
-    for table in tier._tables.values():
-        for loc in table.find(np.stack([table._hi, table._lo], axis=1)[table._loc >= 0]).tolist():
-            counted[loc >> 32] = counted.get(loc >> 32, 0) + 1
-    assert counted == {p.number: p.live for p in tier._packs.values() if p.live}
-    assert all(p.live == 0 for p in tier._idle.values())
-    files = [k for k in tier._lru if isinstance(k, bytes)]
-    assert len(files) == tier._files
-    on_disk = {p.name: p.stat().st_size for p in packs(tier)}
-    assert {name: p.nbytes for name, p in tier._packs.items()} == on_disk
-    blk = sum(os.stat(filesystem.page_file(str(tier.namespace), *filesystem._group_key(k))).st_size for k in files)
-    assert tier.total_bytes() == blk + sum(on_disk.values())
+    """The index agrees with itself and with the disk, and every pack on disk is indexed."""
+    assert tier.check() == []
+    assert tier.total_bytes() == sum(p.stat().st_size for p in packs(tier)) + sum(
+        p.stat().st_size for p in tier.namespace.glob("g*/*/*.blk"))
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from hybridkv.core.errors import HybridKVError
-from hybridkv.ram.regions import SharedRegion
+from hybridkv.ram.regions import SharedRegion, process_start_time
 from hybridkv.tiers import pagefile
 from hybridkv.tiers.filesystem import MANIFEST, FilesystemTier, page_path
 
@@ -173,7 +173,7 @@ def test_planted_symlinks_at_temp_names_clobber_nothing(tmp_path):
     tier = FilesystemTier(tmp_path / "store", LAYOUT, direct=False)
     path = page_path(tier.namespace, 0, key(5))
     tier.dirs.ensure(path.parent)
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.{tier._start}.{threading.get_ident()}.tmp")
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.{process_start_time(os.getpid())}.{threading.get_ident()}.tmp")
     tmp.symlink_to(victims[2])          # exactly the temp name this thread will write
     assert tier.write(0, key(5), page(0, 5))
     out = np.empty(LAYOUT.group(0).page_bytes, np.uint8)

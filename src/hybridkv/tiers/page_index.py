@@ -115,6 +115,11 @@ class PageTable:
             width = WINDOW
         return found
 
+    def entries(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every live entry: fingerprints (n x 2) and locations (consistency checks)."""
+        live = self._loc >= 0
+        return np.stack([self._hi[live], self._lo[live]], axis=1), self._loc[live]
+
     def find(self, fps: np.ndarray) -> np.ndarray:
         """The location of each fingerprint, or -1."""
         slots = self._probe(fps)
