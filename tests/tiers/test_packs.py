@@ -282,7 +282,9 @@ def test_admin_commands_inspect_verify_and_collect_packs(tmp_path):
     path, offset = tier.locate(0, key(7))
     tier.close()
     (ns,) = inspect_store(tmp_path)["namespaces"]
-    assert ns["packs"] == {"files": 2, "bytes": sum(p.stat().st_size for p in packs(tier)), "pages": 20}
+    live = 10 * sum(packfile.aligned(g.page_bytes) for g in LAYOUT.groups)
+    assert ns["packs"] == {"files": 2, "bytes": sum(p.stat().st_size for p in packs(tier)), "pages": 20,
+                           "live_bytes": live, "dead_bytes": 0}
     assert [g["packed_pages"] for g in ns["groups"]] == [10, 10]
     clean = {"checked": 2, "ok": 2, "corrupt": 0, "quarantined": 0, "vanished": 0, "unreadable": 0}
     assert verify_store(tmp_path, progress=False) == clean

@@ -94,7 +94,7 @@ def _read_pack(path: Path) -> tuple[bytes, np.ndarray]:
     return blob, packfile.parse_table(blob, len(blob))
 
 
-def _files(namespace: Path, dirs: StoreDirs) -> Iterator[tuple[Path, os.stat_result]]:
+def namespace_files(namespace: Path, dirs: StoreDirs) -> Iterator[tuple[Path, os.stat_result]]:
     """Every page file and pack file: the units the store removes."""
     for _, path, st in _pages(namespace, dirs):
         yield path, st
@@ -115,8 +115,10 @@ def inspect_store(store: str | Path) -> dict:
             g = _group_record(groups, kinds, group)
             g["files"] += 1
             g["bytes"] += st.st_size
-        packs = {"files": 0, "bytes": 0, "pages": 0}
-        for path, st in _packs(ns, dirs):
+        packs = {"files": 0, "bytes": 0, "pages": 0, "live_bytes": 0, "dead_bytes": 0}
+        filed = {(group, bytes.fromhex(path.stem)) for group, path, _ in _pages(ns, dirs)}
+        seen: set = set()                    # a page's newest pack serves it, a page file before any
+        for path, st in sorted(_packs(ns, dirs), key=lambda found: -found[1].st_mtime_ns):
             packs["files"] += 1
             packs["bytes"] += st.st_size
             try:
@@ -131,6 +133,11 @@ def inspect_store(store: str | Path) -> dict:
             for group, count in zip(*np.unique(table["group"], return_counts=True), strict=True):
                 g = _group_record(groups, kinds, int(group))
                 g["packed_pages"] = g.get("packed_pages", 0) + int(count)
+            for row in table:
+                page = (int(row["group"]), bytes(row["key"][: row["key_len"]]))
+                live = page not in filed and page not in seen
+                seen.add(page)
+                packs["live_bytes" if live else "dead_bytes"] += int(packfile.aligned(int(row["length"])))
         qdir = ns / QUARANTINE
         quarantined = sum(1 for _ in qdir.iterdir()) if os.path.lexists(qdir) and _is_dir(qdir) else 0
         total = sum(g["bytes"] for g in groups.values()) + packs["bytes"]
@@ -138,7 +145,7 @@ def inspect_store(store: str | Path) -> dict:
         out["namespaces"].append({
             "fingerprint": ns.name, "model": manifest.get("model"), "total_bytes": total,
             "groups": [groups[k] for k in sorted(groups)], "packs": packs, "quarantined": quarantined,
-            "last_used": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(last_used(ns, _files(ns, dirs)))),
+            "last_used": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(last_used(ns, namespace_files(ns, dirs)))),
         })
     return out
 
@@ -195,7 +202,7 @@ def gc_store(store: str | Path, max_bytes: int | None = None, unused_days: float
     (page files and packs, by mtime, in every namespace: old namespaces' files go first) until
     the store fits ``max_bytes``."""
     dirs, namespaces = open_store(store)
-    listed = {ns: list(_files(ns, dirs)) for ns, _ in namespaces}
+    listed = {ns: list(namespace_files(ns, dirs)) for ns, _ in namespaces}
     removed_namespaces, freed_namespaces = [], 0
     if unused_days is not None:
         cutoff = time.time() - unused_days * 86400

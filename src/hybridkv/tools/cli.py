@@ -77,6 +77,10 @@ def _cmd_inspect(args) -> int:
               f"  quarantined {ns['quarantined']}")
         for g in ns["groups"]:
             print(f"  group {g['id']:>3} {g['kind']:<15} {g['files']:>8} files {format_size(g['bytes']):>12}")
+        packs = ns["packs"]
+        if packs["files"]:
+            print(f"  packs {packs['files']:>8} files, {packs['pages']} pages: {format_size(packs['live_bytes'])} "
+                  f"served, {format_size(packs['dead_bytes'])} dead (a reclaim pass removes or compacts them)")
     if args.store:
         print(f"total {format_size(result['total_bytes'])}")
     if "remote" in result:

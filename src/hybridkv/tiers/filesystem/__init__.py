@@ -12,7 +12,8 @@ served read-only: what verifies is a hit, the rest a miss, and nothing is change
 
 The tier is a composition: ``paths`` (file names and small file operations), ``index`` (what
 the store holds, in memory), ``scan`` (start-up scan and discovery), ``reads``, ``writes``;
-this module holds the lookups, the quota and the tier's lifetime.
+``reclaim`` (dead packs, compaction, old namespaces); this module holds the lookups, the quota
+and the tier's lifetime.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from hybridkv.tiers.filesystem.paths import (
     split_ident,
 )
 from hybridkv.tiers.filesystem.reads import RUN_BYTES, ReadMixin
+from hybridkv.tiers.filesystem.reclaim import ReclaimMixin
 from hybridkv.tiers.filesystem.scan import ScanMixin
 from hybridkv.tiers.filesystem.writes import PACK_MAX_PAGE, WriteMixin
 from hybridkv.tiers.io_queue import IOQueue
@@ -58,7 +60,7 @@ __all__ = ["MANIFEST", "PACKS", "PACK_MAX_PAGE", "QUARANTINE", "RUN_BYTES", "Fil
 log = logging.getLogger(__name__)
 
 
-class FilesystemTier(ScanMixin, ReadMixin, WriteMixin, SecondaryTier):
+class FilesystemTier(ScanMixin, ReadMixin, WriteMixin, ReclaimMixin, SecondaryTier):
     name = "fs"
 
     def __init__(self, root: str | Path, layout: Layout, max_bytes: int | None = None,
@@ -108,7 +110,12 @@ class FilesystemTier(ScanMixin, ReadMixin, WriteMixin, SecondaryTier):
         self._local = threading.local()            # per-thread aligned buffer and scratch page for O_DIRECT
         self.stats = {"reads": 0, "read_bytes": 0, "read_requests": 0, "writes": 0, "write_bytes": 0,
                       "corrupt": 0, "read_errors": 0, "write_errors": 0, "evictions": 0,
-                      "orphans_removed": 0, "disk_lookups": 0, "pack_listings": 0}
+                      "orphans_removed": 0, "disk_lookups": 0, "pack_listings": 0,
+                      "reclaimed_dead_packs": 0, "reclaimed_compacted_packs": 0, "reclaimed_freed_bytes": 0,
+                      "reclaimed_namespaces_removed": 0}
+        self._since_reclaim = 0                    # bytes written since the last reclaim pass
+        self._reclaiming = False
+        self._others_bytes = 0                     # other namespaces' bytes the quota counts
         self._write_errnos: set[int] = set()      # failure kinds already logged
         self._bad: set[bytes] = set()              # corrupt page files we could not move aside
         self._bad_packs: set[str] = set()          # and packs
@@ -193,7 +200,7 @@ class FilesystemTier(ScanMixin, ReadMixin, WriteMixin, SecondaryTier):
         if self.max_bytes is None or self.index.gone is not None or self.read_only:
             return
         with self.index.lock:               # O(evicted) per write: the LRU end of the order, no scan
-            victims, evicted = self.index.evict_to(self.max_bytes, keep)
+            victims, evicted = self.index.evict_to(max(0, self.max_bytes - self._others_bytes), keep)
             self.stats["evictions"] += evicted
         for path in victims:
             with contextlib.suppress(FileNotFoundError):

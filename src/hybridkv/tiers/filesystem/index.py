@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from hybridkv.tiers import page_index
+from hybridkv.tiers import packfile, page_index
 from hybridkv.tiers.filesystem.paths import pack_idents, page_file, page_ident, split_ident
 from hybridkv.tiers.page_index import PageTable
 
@@ -32,7 +32,7 @@ class Pack:
     so it stays until the quota needs room, and goes first then."""
 
     __slots__ = ("name", "nbytes", "number", "groups", "fingerprints", "offsets", "checksums",
-                 "live", "mine")
+                 "spans", "live", "mine")
 
     def __init__(self, name: str, nbytes: int, table: np.ndarray, mine: bool = False):
         self.name, self.nbytes, self.number, self.live, self.mine = name, nbytes, -1, 0, mine
@@ -40,6 +40,7 @@ class Pack:
         self.fingerprints = page_index.table_fingerprints(table["key"], table["key_len"])
         self.offsets = array("Q", table["offset"].astype(np.uint64).tobytes())
         self.checksums = array("Q", table["checksum"].astype(np.uint64).tobytes())
+        self.spans = packfile.aligned(table["length"].astype(np.int64))   # bytes each page takes
 
     def locations(self, entries: np.ndarray) -> np.ndarray:
         """Index locations of entries of this pack: its number and the entry, in one int64."""
@@ -263,3 +264,17 @@ class StoreIndex:
         if counted_bytes != self.bytes:
             problems.append(f"{counted_bytes} bytes indexed, {self.bytes} counted")
         return problems
+
+    def live_entries(self, pack: Pack) -> np.ndarray:
+        """The entries of ``pack`` the index serves from it."""
+        live = []
+        for group in groups_of(pack.groups):
+            table = self.tables.get(group)
+            if table is not None:
+                entries = np.flatnonzero(pack.groups == group)
+                live.append(entries[table.find(pack.fingerprints[entries]) == pack.locations(entries)])
+        return np.sort(np.concatenate(live)) if live else np.empty(0, np.int64)
+
+    def live_bytes(self, pack: Pack) -> int:
+        """Bytes of ``pack`` its served pages take (the rest is dead until the pack goes)."""
+        return int(pack.spans[self.live_entries(pack)].sum()) if pack.live else 0

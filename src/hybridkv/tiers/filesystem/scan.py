@@ -78,6 +78,7 @@ class ScanMixin:
         if not self._closing:
             self._enforce_quota(keep=None)
             self.scanned.set()
+            self._start_reclaim()
 
     def _index_packs(self) -> list[tuple[Pack, int]]:
         """First the packs (one table read each, few files): their pages are served from

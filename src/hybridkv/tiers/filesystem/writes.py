@@ -58,6 +58,7 @@ class WriteMixin:
             self.stats["write_bytes"] += size
         self._remove(dead)
         self._enforce_quota(keep=ident)
+        self._wrote(size)
         return True
 
     def write_pack(self, pages: list[tuple[int, bytes, object]]) -> bool:
@@ -87,6 +88,7 @@ class WriteMixin:
             self.stats["write_bytes"] += pack.nbytes
         self._remove(dead)
         self._enforce_quota(keep=pack)
+        self._wrote(pack.nbytes)
         return True
 
     def _writer_tag(self) -> str:
