@@ -102,7 +102,7 @@ def test_regions_are_removed_at_close(tmp_path):
 
 
 def test_promotion_never_evicts_resident_pages_of_the_same_request(tmp_path):
-    config = CacheConfig(block_tokens=16, ram_bytes=1024**2, store=str(tmp_path))
+    config = CacheConfig(block_tokens=16, ram_bytes=1024**2, store=str(tmp_path), tail_states=0)
     with TieredCache(LAYOUT, config) as cache:
         cache.store({0: [(key(i), page(0, i)) for i in range(3)]})
         cache.drain()
@@ -135,7 +135,8 @@ def test_promotion_waits_for_write_through_pins_instead_of_missing(tmp_path):
 def test_a_store_refused_for_want_of_ram_releases_the_held_write_through(tmp_path, monkeypatch):
     monkeypatch.setattr(filesystem.writes, "PACK_LINGER_S", 600)      # only a flush writes held pages
     small = LAYOUT.group(0).page_bytes * 3 + LAYOUT.group(1).page_bytes * 4
-    config = CacheConfig(block_tokens=16, ram_bytes=small, reference_tokens=32, store=str(tmp_path))
+    config = CacheConfig(block_tokens=16, ram_bytes=small, reference_tokens=32, store=str(tmp_path),
+                         tail_states=0)
     with TieredCache(LAYOUT, config) as cache:
         assert cache.store({0: [(key(i), page(0, i)) for i in (1, 2, 3)]})
         assert not cache.store({0: [(key(4), page(0, 4))]})     # every slot pinned by write-through

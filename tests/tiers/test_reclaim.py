@@ -6,6 +6,7 @@ import os
 import time
 
 import numpy as np
+from tiers.test_packs import check_index, packs, read_all, write_packed
 
 from hybridkv.core.layout import layout_from_dict
 from hybridkv.tiers import packfile
@@ -13,7 +14,6 @@ from hybridkv.tiers.admin import inspect_store
 from hybridkv.tiers.filesystem import FilesystemTier
 
 from helpers.tier_worker import LAYOUT, key, page
-from tiers.test_packs import check_index, packs, read_all, write_packed
 
 LIVE_PER_KEY = sum(packfile.aligned(g.page_bytes) for g in LAYOUT.groups)
 

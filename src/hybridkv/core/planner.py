@@ -1,7 +1,8 @@
 """Sizes the per-group RAM pools from one byte budget.
 
 Token groups get N slots each; a state group gets only as many as the retention policy
-can fill for the requests N token slots hold, plus one junction per request.
+can fill for the requests N token slots hold, plus one junction per request (which tail
+states share).
 """
 
 from __future__ import annotations
@@ -61,7 +62,9 @@ def state_slots(token_slots: int, block_tokens: int, reference_tokens: int,
     if retention.dense:
         return token_slots
     requests = -(-token_slots * block_tokens // reference_tokens)
-    return requests * (retention.states_per_prompt(reference_tokens) + 1)
+    # one more per request for a junction; tail states share it (replaying traces, budgeting
+    # them on top cost up to 30% of the hit rate where prompts are short and states dominate)
+    return requests * (retention.states_per_prompt(reference_tokens) + (0 if retention.tail else 1))
 
 
 def plan_pools(
