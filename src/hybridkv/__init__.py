@@ -5,10 +5,10 @@ Integrators build a ``Layout`` (or load one), a ``CacheConfig``, then a ``Tiered
 """
 
 from hybridkv.cache import TieredCache
-from hybridkv.config import CacheConfig, load_config
+from hybridkv.config import CacheConfig, load_config, load_layout
 from hybridkv.connector import Connector, RequestState
 from hybridkv.core.errors import HybridKVError
-from hybridkv.core.layout import Group, GroupKind, Layout, layout_from_dict, load_layout
+from hybridkv.core.layout import Group, GroupKind, Layout, layout_from_dict
 from hybridkv.core.planner import Plan, plan_pools
 from hybridkv.core.retention import Hit, Retention
 

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from hybridkv.core.errors import HybridKVError, read_input_file
+from hybridkv.core.errors import HybridKVError
+from hybridkv.core.layout import Layout, layout_from_dict
 from hybridkv.core.sizes import parse_size
 from hybridkv.ram.policies import POLICIES
 
@@ -184,3 +185,25 @@ def load_config(
             f"unknown config setting(s) {sorted(unknown)}; known: {', '.join(sorted(_FIELDS))}"
         )
     return CacheConfig(**values)
+
+
+def read_input_file(path, what: str) -> bytes:
+    """The bytes of a file the user named (a config, a layout), or a one-line error."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise HybridKVError(f"cannot read {what} {path}: {e.strerror}; check the path") from None
+
+
+def load_layout(path: str | Path) -> Layout:
+    path = Path(path)
+    try:
+        raw = json.loads(read_input_file(path, "layout file"))
+    except json.JSONDecodeError as e:
+        raise HybridKVError(
+            f"layout file {path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})"
+        ) from None
+    except UnicodeDecodeError:
+        raise HybridKVError(f"layout file {path} is not UTF-8 text; write it as JSON") from None
+    return layout_from_dict(raw)

@@ -4,8 +4,9 @@ import sys
 
 import pytest
 
+from hybridkv.config import load_layout
 from hybridkv.core.errors import HybridKVError
-from hybridkv.core.layout import layout_from_dict, load_layout
+from hybridkv.core.layout import layout_from_dict
 
 from helpers import LAYOUTS
 
@@ -56,7 +57,7 @@ def test_malformed_json_file(tmp_path):
 
 def test_fingerprint_is_stable_across_processes():
     path = LAYOUTS / "qwen3-next-80b-a3b.json"
-    code = ("import sys; from hybridkv.core.layout import load_layout; "
+    code = ("import sys; from hybridkv.config import load_layout; "
             "print(load_layout(sys.argv[1]).fingerprint())")
     prints = set()
     for seed in ("0", "12345"):

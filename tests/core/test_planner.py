@@ -1,7 +1,8 @@
 import pytest
 
+from hybridkv.config import load_layout
 from hybridkv.core.errors import HybridKVError
-from hybridkv.core.layout import layout_from_dict, load_layout
+from hybridkv.core.layout import layout_from_dict
 from hybridkv.core.planner import plan_pools
 
 from helpers import LAYOUTS

@@ -10,9 +10,8 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from enum import Enum
-from pathlib import Path
 
-from hybridkv.core.errors import HybridKVError, read_input_file
+from hybridkv.core.errors import HybridKVError
 
 FORMAT_VERSION = 1
 
@@ -210,15 +209,3 @@ def layout_from_dict(raw) -> Layout:
         engine=raw.get("engine"), extra=extra,
     )
 
-
-def load_layout(path: str | Path) -> Layout:
-    path = Path(path)
-    try:
-        raw = json.loads(read_input_file(path, "layout file"))
-    except json.JSONDecodeError as e:
-        raise HybridKVError(
-            f"layout file {path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})"
-        ) from None
-    except UnicodeDecodeError:
-        raise HybridKVError(f"layout file {path} is not UTF-8 text; write it as JSON") from None
-    return layout_from_dict(raw)

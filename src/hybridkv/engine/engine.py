@@ -19,11 +19,11 @@ from hybridkv.cache import TieredCache
 from hybridkv.config import CacheConfig
 from hybridkv.connector import Connector
 from hybridkv.core.errors import HybridKVError
-from hybridkv.core.identity import checkpoint_revision, software_versions
 from hybridkv.core.requests import all_token_ids, check_max_new_tokens, check_salt
 from hybridkv.device.pinning import default_pin_hook
 from hybridkv.engine.hf_cache import ATTENTION_GROUP, STATE_GROUP, HFCacheAdapter, RestoredCache
 from hybridkv.engine.models import BUILTINS, ByteTokenizer, load_model, weights_digest
+from hybridkv.identity import checkpoint_revision, software_versions
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

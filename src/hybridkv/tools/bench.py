@@ -702,10 +702,12 @@ def run_bench(quick: bool = False, remote: str | None = None, manager_slots: int
 def machine() -> dict:
     import platform
 
-    import torch
-
+    try:
+        import torch
+    except ImportError:               # the cache and the simulator run without it
+        torch = None
     cpu = ""
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
         cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
     return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-            "torch": torch.__version__, "numpy": np.__version__}
+            "torch": torch.__version__ if torch else None, "numpy": np.__version__}

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hybridkv.core.layout import load_layout
+from hybridkv.config import load_layout
 from hybridkv.tools.bench import machine
 from hybridkv.tools.policy_compare import compare, plot, table
 from hybridkv.tools.simulator import workload_prompts

@@ -37,8 +37,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _cmd_plan(args) -> int:
-    from hybridkv.config import parse_retention
-    from hybridkv.core.layout import load_layout
+    from hybridkv.config import load_layout, parse_retention
     from hybridkv.core.planner import plan_pools
 
     layout = load_layout(args.layout)
@@ -318,7 +317,7 @@ def _simulation_prompts(args) -> tuple[str, list]:
 
 
 def _cmd_simulate(args) -> int:
-    from hybridkv.core.layout import load_layout
+    from hybridkv.config import load_layout
     from hybridkv.tools import policy_compare
     from hybridkv.tools.simulator import Policy, policy, replay
 

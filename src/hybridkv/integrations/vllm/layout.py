@@ -26,8 +26,8 @@ from vllm.v1.kv_cache_interface import (
 
 from hybridkv.config import CacheConfig, load_config
 from hybridkv.core.errors import HybridKVError
-from hybridkv.core.identity import checkpoint_revision, software_versions
 from hybridkv.core.layout import Group, GroupKind, Layout, TensorSpec
+from hybridkv.identity import checkpoint_revision, software_versions
 
 COMMIT = re.compile(r"[0-9a-f]{40}")
 # kv_connector_extra_config keys that belong to the integration, not to CacheConfig.

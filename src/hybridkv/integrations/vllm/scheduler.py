@@ -31,8 +31,8 @@ from pathlib import Path
 from hybridkv.cache import TieredCache
 from hybridkv.connector import Connector, PageKind, RequestState
 from hybridkv.core.errors import HybridKVError
-from hybridkv.core.identity import checkpoint_revision
 from hybridkv.core.retention import replay_boundary
+from hybridkv.identity import checkpoint_revision
 from hybridkv.integrations.vllm.layout import cache_config_from_extra, layout_from_vllm
 from hybridkv.integrations.vllm.messages import Copy, RegionInfo, StepPlan, WorkerReport
 from hybridkv.integrations.vllm.stopping import drain_before_stop

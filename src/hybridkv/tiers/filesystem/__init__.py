@@ -115,6 +115,7 @@ class FilesystemTier(ScanMixin, ReadMixin, WriteMixin, ReclaimMixin, SecondaryTi
                       "reclaimed_namespaces_removed": 0}
         self._since_reclaim = 0                    # bytes written since the last reclaim pass
         self._reclaiming = False
+        self._reclaim_lock = threading.Lock()     # one pass at a time
         self._others_bytes = 0                     # other namespaces' bytes the quota counts
         self._write_errnos: set[int] = set()      # failure kinds already logged
         self._bad: set[bytes] = set()              # corrupt page files we could not move aside

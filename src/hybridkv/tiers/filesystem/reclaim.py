@@ -68,8 +68,13 @@ class ReclaimMixin:
             self._reclaiming = False
 
     def reclaim(self, grace_s: float = RECLAIM_GRACE_S, namespace_idle_s: float = NAMESPACE_IDLE_S) -> dict:
-        """One pass on this thread (the background runs it too): remove dead packs, compact
-        mostly-dead ones, and under a quota remove other namespaces. Returns what it did."""
+        """One pass on this thread, after any pass running in the background: remove dead
+        packs, compact mostly-dead ones, and under a quota remove other namespaces. Returns
+        what this pass did (``stats`` counts every pass's)."""
+        with self._reclaim_lock:
+            return self._reclaim_pass(grace_s, namespace_idle_s)
+
+    def _reclaim_pass(self, grace_s: float, namespace_idle_s: float) -> dict:
         done = {"dead_packs": 0, "compacted_packs": 0, "freed_bytes": 0, "namespaces_removed": 0}
         if self.read_only or not self.scanned.is_set():
             return done

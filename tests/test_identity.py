@@ -4,9 +4,9 @@ import json
 
 import torch
 
-from hybridkv.core import identity
-from hybridkv.core.identity import checkpoint_revision
+from hybridkv import identity
 from hybridkv.engine.models import build_builtin, weights_digest
+from hybridkv.identity import checkpoint_revision
 
 
 def _checkpoint(directory, weights=b"w" * 1000, config=None):
