@@ -121,6 +121,7 @@ def test_misses_are_counted_per_tier(tmp_path):
     assert on_disk.write(0, b"d" * 16, page(0, 1))
     on_disk.close()
     with TieredCache(LAYOUT, config) as cache:
+        assert cache.secondaries[0].wait_scanned(30)     # page files are indexed by the background scan
         cache.store({0: [(b"r" * 16, page(0, 2))]})
         assert cache.locate(0, [b"r" * 16, b"d" * 16, b"n" * 16]) == ["ram", "fs", None]
         stats = cache.stats()
