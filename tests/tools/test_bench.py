@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from hybridkv.tools.bench import (
+from hybridkv.tools.bench_report import plot, tables, vllm_table
+from hybridkv.tools.bench_tiers import (
     bench_fs,
     bench_fs_batch,
     bench_fs_startup,
@@ -10,7 +11,6 @@ from hybridkv.tools.bench import (
     bench_ram,
     bench_remote,
 )
-from hybridkv.tools.bench_report import plot, tables, vllm_table
 
 from helpers.cli import assert_one_line_error, cli, run_cli
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from hybridkv.config import CacheConfig
 from hybridkv.core.layout import layout_from_dict
-from hybridkv.tools.bench import make_file_store, make_packed_store
+from hybridkv.tools.bench_tiers import make_file_store, make_packed_store
 
 B = 64
 PACE_S = 0.005

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from hybridkv.config import load_layout
-from hybridkv.tools.bench import machine
+from hybridkv.tools.bench_common import machine
 from hybridkv.tools.policy_compare import compare, plot, table
 from hybridkv.tools.simulator import workload_prompts
 from hybridkv.tools.traces import read_trace, write_mooncake

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from hybridkv.integrations.vllm.tiny_models import dtype_of, save_tiny_checkpoint
-from hybridkv.tools.bench import machine
+from hybridkv.tools.bench_common import machine
 from hybridkv.tools.bench_report import vllm_table
 
 LENGTHS = (2048, 4096, 8000)
