@@ -146,10 +146,9 @@ def test_store_serves_before_its_scan_ends_and_keeps_order_and_quota_after(tmp_p
 def test_kill_during_write_storm_serves_no_corrupt_page(tmp_path):
     child = spawn("write", tmp_path, 0, "--storm")
     assert child.stdout.readline().strip() == "storming"
-    deadline = time.time() + 30
-    while not list(tmp_path.rglob("*.pack")) and time.time() < deadline:
+    deadline = time.time() + 30                       # killed once three packs are down: mid-storm,
+    while len(list(tmp_path.rglob("*.pack"))) < 3 and time.time() < deadline:   # packs in flight
         time.sleep(0.05)
-    time.sleep(0.3)                                   # into the next packs' writes
     child.send_signal(signal.SIGKILL)
     child.wait()
     tier = FilesystemTier(tmp_path, LAYOUT)
