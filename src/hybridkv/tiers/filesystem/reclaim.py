@@ -79,10 +79,14 @@ class ReclaimMixin:
         if self.read_only or not self.scanned.is_set():
             return done
         cutoff = time.time() - grace_s
-        with self.index.lock:
+        with self.index.lock:   # by count first (O(1) a pack): a lookup never waits on a probe of every pack
             idle = list(self.index.idle.values())
-            sparse = [p for p in self.index.packs.values()
-                      if p.live and self.index.live_bytes(p) < COMPACT_BELOW * p.nbytes]
+            fewer = [p for p in self.index.packs.values() if 0 < p.live < COMPACT_BELOW * len(p.groups)]
+        sparse = []
+        for pack in fewer:
+            with self.index.lock:
+                if pack.live and self.index.live_bytes(pack) < COMPACT_BELOW * pack.nbytes:
+                    sparse.append(pack)
         for pack in idle:
             if not self._closing and not self._used_since(pack, cutoff):
                 with self.index.lock:

@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 
 PACK_RELIST_S = 0.1         # misses relist a packs directory others write to at most this often
 DISCOVER_KEYS = 4096        # keys the lookups' background discovery holds at most (more: later misses)
+YIELD_EVERY = 512           # entries the scan handles between handing the GIL to lookups (~0.3 ms)
+PROBE_SLICE = 16384         # files probed against the pack tables per hold of the index lock
 
 
 class ScanMixin:
@@ -106,31 +108,44 @@ class ScanMixin:
                     return
                 try:
                     with os.scandir(sub) as entries:
-                        for entry in entries:
+                        for n, entry in enumerate(entries, 1):
                             self._scan_entry(entry, group, mtimes, idents, sizes)
+                            if n % YIELD_EVERY == 0:
+                                time.sleep(0)     # hand the GIL to a waiting lookup
                 except OSError:
                     continue
         # Ordering a million entries takes a few hundred ms: it runs outside the lock, on a
-        # snapshot, and only what changed meanwhile is reconciled under it, so a lookup (on
-        # the engine's scheduler thread) never waits for the ordering.
+        # snapshot, in slices that hand the GIL to lookups between them, and only what changed
+        # meanwhile is reconciled under the lock, so a lookup (on the engine's scheduler
+        # thread) waits for neither.
         with self.index.lock:
-            skip = set(self.index.packed_among(idents))   # files whose page a pack holds: it serves
             gone, known, fresh = set(self.index.gone), set(self.index.lru), set(self.index.fresh)
+        skip: set[int] = set()                # files whose page a pack holds: it serves
+        for lo in range(0, len(idents), PROBE_SLICE):
+            with self.index.lock:
+                skip.update(lo + n for n in self.index.packed_among(idents[lo:lo + PROBE_SLICE]))
+            time.sleep(0)
         stamps, keys, values = [], [], []
+        n_bytes = 0
         for n, ident in enumerate(idents):  # not those dropped or indexed meanwhile
             if n not in skip and ident not in gone and ident not in known:
                 stamps.append(mtimes[n])
                 keys.append(ident)
                 values.append(sizes[n])
+                n_bytes += sizes[n]
+            if n % YIELD_EVERY == 0:
+                time.sleep(0)
+        n_files = len(keys)
         for pack, mtime in packed:
             if pack in known and pack not in fresh:
                 stamps.append(mtime)
                 keys.append(pack)
                 values.append(pack.nbytes)
         order = np.argsort(np.array(stamps, np.int64), kind="stable").tolist()
-        ordered = OrderedDict((keys[i], values[i]) for i in order)
-        files = [(key, size) for key, size in zip(keys, values, strict=True) if not isinstance(key, Pack)]
-        n_files, n_bytes = len(files), sum(size for _, size in files)
+        ordered: OrderedDict = OrderedDict()
+        for lo in range(0, len(order), YIELD_EVERY):
+            ordered.update((keys[i], values[i]) for i in order[lo:lo + YIELD_EVERY])
+            time.sleep(0)
         with self.index.lock:
             # dropped since the snapshot; indexed, used or unpacked since (the latter go last)
             changed = (self.index.gone - gone) | (self.index.fresh - fresh) | (self.index.lru.keys() ^ known)
