@@ -150,11 +150,11 @@ def test_server_killed_mid_run_then_back(tmp_path):
         server.start()
         remote.clock = lambda: time.monotonic() + 60   # the breaker's backoff has passed
         deadline = time.time() + 10
-        while not remote.contains(0, b"\0" * 16) and remote._down and time.time() < deadline:
+        while not remote.contains(0, b"\0" * 16) and remote.down and time.time() < deadline:
             time.sleep(0.2)
         r = engine.generate(prompts[3], 3)
         engine.cache.drain()
-        assert not remote._down
+        assert not remote.down
     with Engine("tiny-hybrid", cfg) as engine:      # a new engine finds prompt 3 in Redis
         again = engine.generate(prompts[3], 3)
     server.stop()

@@ -143,6 +143,11 @@ class RemoteTier(SecondaryTier):
     def available(self) -> bool:
         return self.clock() >= self._down_until
 
+    @property
+    def down(self) -> bool:
+        """The last call could not reach the server (the tier serves misses until one can)."""
+        return self._down
+
     def _call(self, fn, default=None):
         """Run one batch against the server; on connection trouble mark the tier down."""
         if not self.available():
