@@ -231,3 +231,60 @@ def test_redis_cluster_with_chunked_pages(tmp_path):
     finally:
         for n in nodes:
             n.stop()
+
+
+def _password_server(tmp_path):
+    """A redis-server that wants a password, on TCP and a unix socket."""
+    import subprocess
+
+    port, sock = free_port(), str(tmp_path / "redis.sock")
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--requirepass", "s3cret", "--unixsocket", sock],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = redis.Redis(port=port, password="s3cret", socket_connect_timeout=0.2)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            client.ping()
+            return proc, port, sock, client
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise
+            time.sleep(0.1)
+
+
+def test_slot_path_authenticates_selects_the_database_and_reads_what_redis_py_wrote(tmp_path):
+    """Pages go straight between the slots and the socket (resp.py) over TCP with a password
+    and a database, and over a unix socket; both paths read each other's pages."""
+    proc, port, sock, client = _password_server(tmp_path)
+    try:
+        tcp = RemoteTier(f"redis://:s3cret@127.0.0.1:{port}/3", LAYOUT, chunk_bytes=5000)
+        plain = RemoteTier(f"redis://:s3cret@127.0.0.1:{port}/3", LAYOUT, chunk_bytes=5000, raw=False)
+        unix = RemoteTier(f"unix://:s3cret@{sock}?db=3", LAYOUT, chunk_bytes=5000)
+        assert tcp.raw is not None and plain.raw is None and unix.raw is not None
+        assert tcp.write_many([(1, key(i), page(1, i)) for i in range(3)])      # 4 chunks a page
+        assert plain.write_many([(1, key(i), page(1, i)) for i in range(3, 6)])
+        assert redis.Redis(port=port, password="s3cret", db=3).exists(*tcp.page_keys(1, key(0))) == 5
+        assert not client.exists(tcp.page_keys(1, key(0))[0])                 # not in database 0
+        for reader in (tcp, plain, unix):
+            outs = [np.empty(LAYOUT.group(1).page_bytes, np.uint8) for _ in range(7)]
+            got = reader.read_many([(1, key(i), out) for i, out in enumerate(outs)])
+            assert got == [True] * 6 + [False]
+            assert all(np.array_equal(outs[i], page(1, i)) for i in range(6))
+        for tier in (tcp, plain, unix):
+            tier.close()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_slot_path_refuses_a_value_of_the_wrong_size_as_corrupt(redis_url):
+    tier = RemoteTier(redis_url, LAYOUT)
+    assert tier.write(0, key(7), page(0, 7))
+    name = tier.page_keys(0, key(7))[1]
+    redis.Redis.from_url(redis_url).set(name, b"short")          # another writer's truncated value
+    out = np.empty(LAYOUT.group(0).page_bytes, np.uint8)
+    assert not tier.read(0, key(7), out) and tier.stats["corrupt"] == 1
+    assert not tier.contains(0, key(7))                            # deleted: never served
+    tier.close()

@@ -24,10 +24,12 @@ from hybridkv.core.layout import Layout
 from hybridkv.tiers import pagefile
 from hybridkv.tiers.base import SecondaryTier, register_tier
 from hybridkv.tiers.io_queue import READ, WRITE, IOQueue, fan_out
+from hybridkv.tiers.resp import RawClient, RespError, raw_eligible
 
 log = logging.getLogger(__name__)
 CHUNK_BYTES = 32 * 1024 * 1024
 PIPELINE_BYTES = 1024 * 1024   # measured best: redis-py copies large replies through BytesIO
+RAW_PIPELINE_BYTES = 8 * 1024 * 1024
 BACKOFF_START_S, BACKOFF_MAX_S = 0.25, 30.0
 
 
@@ -99,7 +101,7 @@ class RemoteTier(SecondaryTier):
 
     def __init__(self, url: str, layout: Layout, prefix: str = "hybridkv", ttl_s: int | None = None,
                  timeout_s: float = 0.5, threads: int = 2, chunk_bytes: int = CHUNK_BYTES,
-                 clock=time.monotonic, python_packer: bool = True):
+                 clock=time.monotonic, python_packer: bool = True, raw: bool = True):
         self.url = url
         self.clock = clock              # the outage breaker's time source (tests inject one)
         self.layout = layout
@@ -108,6 +110,8 @@ class RemoteTier(SecondaryTier):
         self.chunk_bytes = chunk_bytes
         self._redis = _redis()
         self.client = connect(url, timeout_s, python_packer)
+        # reads straight into the slots and writes from them on one node (resp.py)
+        self.raw = RawClient(url, timeout_s) if raw and raw_eligible(url) else None
         self._lock = threading.Lock()
         self._down_until = 0.0
         self._backoff = BACKOFF_START_S
@@ -127,11 +131,13 @@ class RemoteTier(SecondaryTier):
         return [f"{base}:h"] + [f"{base}:{i}" for i in range(self._chunks(group))]
 
     def _batches(self, items: list) -> list[list]:
-        """Split items (group first) into pipelines of at most PIPELINE_BYTES."""
+        """Split items (group first) into pipelines of at most PIPELINE_BYTES (RAW_PIPELINE_BYTES
+        on the slot path, which parses nothing it does not need)."""
+        limit = RAW_PIPELINE_BYTES if self.raw is not None else PIPELINE_BYTES
         batches, current, size = [], [], 0
         for item in items:
             page = self.layout.group(item[0]).page_bytes
-            if current and size + page > PIPELINE_BYTES:
+            if current and size + page > limit:
                 batches.append(current)
                 current, size = [], 0
             current.append(item)
@@ -165,7 +171,7 @@ class RemoteTier(SecondaryTier):
                     log.warning("remote tier %s unreachable (%s); serving misses, retrying with backoff",
                                 masked(self.url), e)
             return default
-        except self._redis.RedisError as e:
+        except (self._redis.RedisError, RespError) as e:
             # A server-side error reply (OOM, WRONGTYPE, a cluster move): this batch misses,
             # the server is reachable, so no backoff.
             with self._lock:
@@ -206,6 +212,14 @@ class RemoteTier(SecondaryTier):
 
     def _read_batch(self, items: list[tuple[int, bytes, np.ndarray]]) -> list[bool]:
         def fetch():
+            if self.raw is not None:          # each chunk straight into its part of the slot
+                names, sinks = [], []
+                for group, key, out in items:
+                    page, view = self.page_keys(group, key), memoryview(out).cast("B")
+                    names += page
+                    sinks += [None] + [view[i * self.chunk_bytes:(i + 1) * self.chunk_bytes]
+                                       for i in range(len(page) - 1)]
+                return self.raw.get_into(names, sinks)
             pipe = self.client.pipeline(transaction=False)
             for group, key, _ in items:
                 for name in self.page_keys(group, key):
@@ -226,12 +240,13 @@ class RemoteTier(SecondaryTier):
                     bad.append((group, key))      # a chunk was evicted: the rest is useless
                 continue
             try:
-                if sum(len(c) for c in chunks) != out.nbytes:
-                    raise pagefile.CorruptPage("payload size does not match the layout")
-                offset = 0
-                for chunk in chunks:
-                    out[offset:offset + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
-                    offset += len(chunk)
+                if not all(c is True for c in chunks):      # True: read into the slot already
+                    if any(c is True for c in chunks) or sum(len(c) for c in chunks) != out.nbytes:
+                        raise pagefile.CorruptPage("payload size does not match the layout")
+                    offset = 0
+                    for chunk in chunks:
+                        out[offset:offset + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
+                        offset += len(chunk)
                 pagefile.verify(header, out, group, key)
             except pagefile.CorruptPage as e:
                 log.warning("remote page %s is corrupt (%s); deleted", key.hex(), e)
@@ -267,6 +282,17 @@ class RemoteTier(SecondaryTier):
             return False
 
         def send():
+            if self.raw is not None:
+                pairs, size = [], 0
+                for group, key, payload in items:
+                    data = memoryview(payload).cast("B")
+                    names = self.page_keys(group, key)
+                    pairs += [(name, data[i * self.chunk_bytes:(i + 1) * self.chunk_bytes])
+                              for i, name in enumerate(names[1:])]
+                    pairs.append((names[0], pagefile.make_header(group, key, data)))   # header last
+                    size += pagefile.HEADER_BYTES + len(data)
+                self.raw.set_many(pairs, self.ttl_ms)
+                return size
             pipe = self.client.pipeline(transaction=False)
             size = 0
             for group, key, payload in items:
@@ -302,6 +328,8 @@ class RemoteTier(SecondaryTier):
 
     def close(self) -> None:
         self._io.close()
+        if self.raw is not None:
+            self.raw.close()
         try:
             self.client.close()
         except Exception:  # closing a dead connection must not fail a clean shutdown

@@ -302,19 +302,18 @@ def _dd(directory: Path, block: int, count: int) -> float | None:
     return gbps(block * count, seconds)
 
 def bench_remote(url: str, page_bytes: int = MiB, pages: int = 64, repeats: int = 3) -> dict:
-    """Batched pipelines vs naive per-key SET/GET vs redis-benchmark, same value size; with
-    hiredis installed, also with its own command packer (what redis-py does by default)."""
+    """The tier's slot path (pipelines straight between the RAM slots and the socket) and its
+    redis-py path vs naive per-key SET/GET vs redis-benchmark with the same value size, one
+    client and the slot path's pipeline depth."""
     import redis
     from redis.utils import HIREDIS_AVAILABLE
 
-    from hybridkv.tiers.remote import RemoteTier
+    from hybridkv.tiers.remote import RAW_PIPELINE_BYTES, RemoteTier
 
     layout = page_layout(page_bytes)
     data = np.random.default_rng(2).integers(0, 256, (pages, page_bytes), dtype=np.uint8)
-    tiers = {"": RemoteTier(url, layout, prefix="hybridkv-bench", timeout_s=10)}
-    if HIREDIS_AVAILABLE:
-        tiers["hiredis_packer_"] = RemoteTier(url, layout, prefix="hybridkv-bench", timeout_s=10,
-                                              python_packer=False)
+    tiers = {"": RemoteTier(url, layout, prefix="hybridkv-bench", timeout_s=10),
+             "redis_py_": RemoteTier(url, layout, prefix="hybridkv-bench", timeout_s=10, raw=False)}
     client = redis.Redis.from_url(url, socket_timeout=10)
     keys = [i.to_bytes(16, "big") for i in range(pages)]
     outs = [np.empty(page_bytes, np.uint8) for _ in range(pages)]
@@ -345,13 +344,16 @@ def bench_remote(url: str, page_bytes: int = MiB, pages: int = 64, repeats: int 
     for tier in tiers.values():
         tier.close()
     med = {k: statistics.median(v) for k, v in runs.items()}
-    return {"page_bytes": page_bytes, "hiredis": HIREDIS_AVAILABLE,
+    depth = max(1, RAW_PIPELINE_BYTES // page_bytes)
+    return {"page_bytes": page_bytes, "hiredis": HIREDIS_AVAILABLE, "pipeline": depth,
             **{f"{k}_gbps": v for k, v in med.items()},
-            "redis_benchmark": _redis_benchmark(url, page_bytes),
+            "redis_benchmark": _redis_benchmark(url, page_bytes, depth),
             "spread": {k: [min(v), max(v)] for k, v in runs.items()}}
 
-def _redis_benchmark(url: str, value_bytes: int) -> dict | None:
-    """The server's own client, pipelined, with about 2 GB per command: the wire ceiling."""
+
+def _redis_benchmark(url: str, value_bytes: int, pipeline: int) -> dict | None:
+    """The server's own client with the same value size, one connection and the same
+    pipeline depth, about 2 GB per command: the wire ceiling for what the tier does."""
     from urllib.parse import urlsplit
 
     if shutil.which("redis-benchmark") is None:
@@ -360,15 +362,15 @@ def _redis_benchmark(url: str, value_bytes: int) -> dict | None:
     requests = max(1000, 2 * 10**9 // value_bytes)
     proc = subprocess.run(
         ["redis-benchmark", "-h", parts.hostname or "127.0.0.1", "-p", str(parts.port or 6379),
-         "-t", "set,get", "-n", str(requests), "-d", str(value_bytes), "-c", "4", "-P", "16",
+         "-t", "set,get", "-n", str(requests), "-d", str(value_bytes), "-c", "1", "-P", str(pipeline),
          "-q", "--csv"],
         capture_output=True, text=True, timeout=300)
-    out = {"requests": requests}
+    out = {"requests": requests, "clients": 1, "pipeline": pipeline}
     for line in proc.stdout.splitlines():
         cells = [c.strip('"') for c in line.split(",")]
         if cells and cells[0] in ("SET", "GET"):
             out[f"{cells[0].lower()}_gbps"] = float(cells[1]) * value_bytes / GB
-    return out if len(out) > 1 else None
+    return out if len(out) > 3 else None
 
 
 class SamePages:

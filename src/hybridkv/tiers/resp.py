@@ -1,0 +1,237 @@
+"""A pipelined RESP2 client for the remote tier's two hot paths, on one plain socket per thread.
+
+redis-py turns every GET reply into a bytes object (hiredis parses it into a fresh buffer) that
+the tier then copies into the RAM slot, and packs every SET in Python. Here a pipeline of GETs
+reads each value straight into its slot (``recv_into``: no reply object, no copy) and a
+pipeline of SETs hands the slots' memoryviews to ``sendmsg`` as they are. Everything else
+(existence checks, deletes, scans, clusters, TLS) stays with redis-py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+from collections.abc import Sequence
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+IOV_MAX = 1000          # buffers per sendmsg (the kernel's limit is 1024)
+READ_AHEAD = 1024 * 1024    # the receive buffer: small values and header lines come through it
+DIRECT_BYTES = 256 * 1024   # a value's rest at least this large goes from the socket into its slot
+
+
+class RespError(Exception):
+    """The server answered an error (``-OOM ...``, ``-NOAUTH ...``): the connection is fine."""
+
+
+def raw_eligible(url: str) -> bool:
+    """Plain TCP or a unix socket to one node: what this client speaks."""
+    parts = urlsplit(url)
+    return parts.scheme in ("redis", "unix") and "cluster=" not in (parts.query or "")
+
+
+class _Connection:
+    def __init__(self, url: str, timeout_s: float):
+        parts = urlsplit(url)
+        if parts.scheme == "unix":
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.settimeout(timeout_s)
+            self.sock.connect(parts.path)
+        else:
+            self.sock = socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 6379), timeout_s)
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buf = bytearray(READ_AHEAD)     # replies' header lines land here; values mostly not
+        self.view = memoryview(self.buf)
+        self.pos = self.end = 0
+        setup = []
+        if parts.password is not None:
+            setup.append([b"AUTH"] + ([unquote(parts.username).encode()] if parts.username else [])
+                         + [unquote(parts.password).encode()])
+        query = dict(parse_qsl(parts.query))
+        db = query.get("db") or ((parts.path or "/").strip("/") if parts.scheme != "unix" else "")
+        if db and db != "0":
+            setup.append([b"SELECT", db.encode()])
+        if setup:
+            self.send([b"".join(_command(args)) for args in setup])
+            for _ in setup:
+                self.reply()
+
+    def send(self, buffers: Sequence) -> None:
+        views = [memoryview(b).cast("B") for b in buffers]
+        while views:
+            sent = self.sock.sendmsg(views[:IOV_MAX])
+            while sent and views:
+                if sent >= len(views[0]):
+                    sent -= len(views.pop(0))
+                else:
+                    views[0], sent = views[0][sent:], 0
+
+    def _fill(self) -> None:
+        """Read more into the buffer, keeping what is not consumed yet at its front."""
+        if self.pos:
+            left = self.end - self.pos
+            self.buf[:left] = self.buf[self.pos:self.end]
+            self.pos, self.end = 0, left
+        if self.end == len(self.buf):         # one line longer than the buffer: grow it
+            self.buf += bytearray(len(self.buf))
+            self.view = memoryview(self.buf)
+        n = self.sock.recv_into(self.view[self.end:])
+        if not n:
+            raise ConnectionError("the server closed the connection")
+        self.end += n
+
+    def line(self) -> bytes:
+        while True:
+            at = self.buf.find(b"\r\n", self.pos, self.end)
+            if at >= 0:
+                out = bytes(self.view[self.pos:at])
+                self.pos = at + 2
+                return out
+            self._fill()
+
+    def read_into(self, view: memoryview) -> None:
+        """Exactly ``len(view)`` bytes: what is buffered first; then a large rest straight from
+        the socket into ``view``, a small one through the buffer (one ``recv`` then serves
+        many small values: syscalls, not copies, are what small values cost)."""
+        got = 0
+        while True:
+            have = min(len(view) - got, self.end - self.pos)
+            view[got:got + have] = self.view[self.pos:self.pos + have]
+            self.pos += have
+            got += have
+            if got == len(view):
+                return
+            if len(view) - got >= DIRECT_BYTES:
+                n = self.sock.recv_into(view[got:])
+                if not n:
+                    raise ConnectionError("the server closed the connection")
+                got += n
+            else:
+                self._fill()
+
+    def skip_crlf(self) -> None:
+        while self.end - self.pos < 2:
+            self._fill()
+        self.pos += 2
+
+    def reply(self):
+        """One simple reply: status or integer as bytes, bulk as bytes (None if nil)."""
+        head = self.line()
+        kind, rest = head[:1], head[1:]
+        if kind == b"-":
+            raise RespError(rest.decode(errors="replace"))
+        if kind in (b"+", b":"):
+            return rest
+        if kind == b"$":
+            n = int(rest)
+            if n < 0:
+                return None
+            out = bytearray(n + 2)
+            self.read_into(memoryview(out))
+            return bytes(out[:n])
+        raise ConnectionError(f"unexpected reply {head[:40]!r}")
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+def _command(args: Sequence) -> list:
+    """RESP framing of one command; the arguments themselves are not copied."""
+    parts = [f"*{len(args)}\r\n".encode()]
+    for arg in args:
+        parts += [f"${memoryview(arg).nbytes}\r\n".encode(), arg, b"\r\n"]
+    return parts
+
+
+class RawClient:
+    """One connection per calling thread; any socket error drops it (the next call reconnects)
+    and propagates as ``OSError`` for the tier's outage handling."""
+
+    def __init__(self, url: str, timeout_s: float):
+        self.url, self.timeout_s = url, timeout_s
+        self._local = threading.local()
+        self._all: list[_Connection] = []
+        self._lock = threading.Lock()
+
+    def _conn(self) -> tuple[_Connection, bool]:
+        """This thread's connection, and whether it was used before."""
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            return conn, True
+        conn = self._local.conn = _Connection(self.url, self.timeout_s)
+        with self._lock:
+            self._all.append(conn)
+        return conn, False
+
+    def _run(self, fn):
+        """``fn(connection)``; a connection that had been idle and broke (the server restarted
+        meanwhile) is replaced once; GETs and SETs are safe to repeat."""
+        conn, reused = self._conn()
+        try:
+            return fn(conn)
+        except (OSError, ValueError):        # a broken stream is never reused
+            self._drop(conn)
+            if not reused:
+                raise
+        conn, _ = self._conn()
+        try:
+            return fn(conn)
+        except (OSError, ValueError):
+            self._drop(conn)
+            raise
+
+    def _drop(self, conn: _Connection) -> None:
+        conn.close()
+        self._local.conn = None
+
+    def get_into(self, names: Sequence[str], sinks: Sequence[memoryview | None]) -> list:
+        """GET each name; a value whose length is its sink's goes into the sink (True), any
+        other value comes back as bytes, a missing key as None."""
+        def run(conn: _Connection) -> list:
+            conn.send([b"".join(_command([b"GET", name.encode()])) for name in names])
+            out = []
+            for sink in sinks:
+                head = conn.line()
+                if head[:1] == b"-":
+                    raise RespError(head[1:].decode(errors="replace"))
+                n = int(head[1:])
+                if n < 0:
+                    out.append(None)
+                    continue
+                if sink is not None and n == len(sink):
+                    conn.read_into(sink)
+                    out.append(True)
+                else:
+                    data = bytearray(n)
+                    conn.read_into(memoryview(data))
+                    out.append(bytes(data))
+                conn.skip_crlf()                                   # the value's CRLF
+            return out
+        return self._run(run)
+
+    def set_many(self, items: Sequence[tuple[str, object]], px: int | None = None) -> None:
+        """SET every (name, value) in one pipeline; raises ``RespError`` with the first error
+        reply after reading them all (the connection stays in step)."""
+        tail = [b"PX", str(px).encode()] if px else []
+
+        def run(conn: _Connection) -> None:
+            buffers = []
+            for name, value in items:
+                buffers += _command([b"SET", name.encode(), value, *tail])
+            conn.send(buffers)
+            error = None
+            for _ in items:
+                try:
+                    conn.reply()
+                except RespError as e:
+                    error = error or e
+            if error is not None:
+                raise error
+        self._run(run)
+
+    def close(self) -> None:
+        with self._lock:
+            for conn in self._all:
+                conn.close()
+            self._all.clear()
