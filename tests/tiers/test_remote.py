@@ -274,6 +274,11 @@ def test_slot_path_authenticates_selects_the_database_and_reads_what_redis_py_wr
             assert all(np.array_equal(outs[i], page(1, i)) for i in range(6))
         for tier in (tcp, plain, unix):
             tier.close()
+        wrong = RemoteTier(f"redis://:nope@127.0.0.1:{port}/3", LAYOUT)      # an outage, not an error per call
+        out = np.empty(LAYOUT.group(1).page_bytes, np.uint8)
+        assert not wrong.write(1, key(9), page(1, 9)) and not wrong.read(1, key(0), out)
+        assert wrong.stats["outages"] == 1
+        wrong.close()
     finally:
         proc.kill()
         proc.wait()

@@ -53,8 +53,12 @@ class _Connection:
             setup.append([b"SELECT", db.encode()])
         if setup:
             self.send([b"".join(_command(args)) for args in setup])
-            for _ in setup:
-                self.reply()
+            try:
+                for _ in setup:
+                    self.reply()
+            except RespError as e:           # a wrong password is an outage, not a bad reply
+                self.close()
+                raise ConnectionError(f"the server refused the connection's set-up: {e}") from None
 
     def send(self, buffers: Sequence) -> None:
         views = [memoryview(b).cast("B") for b in buffers]
@@ -190,11 +194,13 @@ class RawClient:
         other value comes back as bytes, a missing key as None."""
         def run(conn: _Connection) -> list:
             conn.send([b"".join(_command([b"GET", name.encode()])) for name in names])
-            out = []
-            for sink in sinks:
+            out, error = [], None
+            for sink in sinks:                  # every reply is read: the stream stays in step
                 head = conn.line()
                 if head[:1] == b"-":
-                    raise RespError(head[1:].decode(errors="replace"))
+                    error = error or RespError(head[1:].decode(errors="replace"))
+                    out.append(None)
+                    continue
                 n = int(head[1:])
                 if n < 0:
                     out.append(None)
@@ -207,6 +213,8 @@ class RawClient:
                     conn.read_into(memoryview(data))
                     out.append(bytes(data))
                 conn.skip_crlf()                                   # the value's CRLF
+            if error is not None:
+                raise error
             return out
         return self._run(run)
 
