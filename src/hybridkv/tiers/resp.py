@@ -17,7 +17,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 
 IOV_MAX = 1000          # buffers per sendmsg (the kernel's limit is 1024)
 READ_AHEAD = 1024 * 1024    # the receive buffer: small values and header lines come through it
-DIRECT_BYTES = 256 * 1024   # a value's rest at least this large goes from the socket into its slot
+DIRECT_BYTES = 16 * 1024   # a value's rest at least this large goes from the socket into its slot
 
 
 class RespError(Exception):

@@ -113,7 +113,7 @@ def tables(res: dict) -> str:
                 rows.append(("hybridkv through redis-py (TLS and cluster URLs)",
                              r["redis_py_set_gbps"], r["redis_py_get_gbps"]))
             rows += [("naive per-key redis-py calls", r["naive_set_gbps"], r["naive_get_gbps"]),
-                     (f"redis-benchmark -c {rb.get('clients', 4)} -P {rb.get('pipeline', 16)}, "
+                     (f"redis-benchmark -c {rb.get('clients', 4)} -P {rb.get('pipeline', 16)} -r {rb.get('keys', 1)}, "
                       f"{rb.get('requests', '?')} requests", rb.get("set_gbps"), rb.get("get_gbps"))]
             for label, set_gbps, get_gbps in rows:
                 add(f"| {r['page_bytes'] // 1024} KiB | {label} | {_r(set_gbps)} | {_r(get_gbps)} |")

@@ -347,13 +347,14 @@ def bench_remote(url: str, page_bytes: int = MiB, pages: int = 64, repeats: int 
     depth = max(1, RAW_PIPELINE_BYTES // page_bytes)
     return {"page_bytes": page_bytes, "hiredis": HIREDIS_AVAILABLE, "pipeline": depth,
             **{f"{k}_gbps": v for k, v in med.items()},
-            "redis_benchmark": _redis_benchmark(url, page_bytes, depth),
+            "redis_benchmark": _redis_benchmark(url, page_bytes, depth, pages),
             "spread": {k: [min(v), max(v)] for k, v in runs.items()}}
 
 
-def _redis_benchmark(url: str, value_bytes: int, pipeline: int) -> dict | None:
-    """The server's own client with the same value size, one connection and the same
-    pipeline depth, about 2 GB per command: the wire ceiling for what the tier does."""
+def _redis_benchmark(url: str, value_bytes: int, pipeline: int, keys: int) -> dict | None:
+    """The server's own client with the same value size, one connection, the same pipeline
+    depth and as many distinct keys (one hot key would be served from the CPU's caches),
+    about 2 GB per command: the wire ceiling for what the tier does."""
     from urllib.parse import urlsplit
 
     if shutil.which("redis-benchmark") is None:
@@ -363,14 +364,14 @@ def _redis_benchmark(url: str, value_bytes: int, pipeline: int) -> dict | None:
     proc = subprocess.run(
         ["redis-benchmark", "-h", parts.hostname or "127.0.0.1", "-p", str(parts.port or 6379),
          "-t", "set,get", "-n", str(requests), "-d", str(value_bytes), "-c", "1", "-P", str(pipeline),
-         "-q", "--csv"],
+         "-r", str(keys), "-q", "--csv"],
         capture_output=True, text=True, timeout=300)
-    out = {"requests": requests, "clients": 1, "pipeline": pipeline}
+    out = {"requests": requests, "clients": 1, "pipeline": pipeline, "keys": keys}
     for line in proc.stdout.splitlines():
         cells = [c.strip('"') for c in line.split(",")]
         if cells and cells[0] in ("SET", "GET"):
             out[f"{cells[0].lower()}_gbps"] = float(cells[1]) * value_bytes / GB
-    return out if len(out) > 3 else None
+    return out if len(out) > 4 else None
 
 
 class SamePages:
