@@ -11,17 +11,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from hybridkv.tools import bench_manager
+from hybridkv.tools import bench_manager, bench_tiers
 from hybridkv.tools.bench_common import MiB, machine
 from hybridkv.tools.bench_restore import bench_hashing, bench_hit_lookup, bench_restore
-from hybridkv.tools.bench_tiers import (
-    bench_fs,
-    bench_fs_batch,
-    bench_fs_startup,
-    bench_fs_startup_packed,
-    bench_ram,
-    bench_remote,
-)
 
 MANAGER_SLOTS = {False: (10_000, 200_000, 1_000_000), True: (10_000, 100_000)}
 
@@ -44,19 +36,19 @@ def run_bench(quick: bool = False, remote: str | None = None, manager_slots: int
     started = time.perf_counter()
     out: dict = {"mode": "quick" if quick else "full", "machine": machine()}
     progress("tiers: RAM slots vs memcpy")
-    out["ram"] = bench_ram(pages=32 if quick else 128)
+    out["ram"] = bench_tiers.bench_ram(pages=32 if quick else 128)
     progress("tiers: filesystem vs raw disk")
-    out["fs"] = bench_fs(pages=32 if quick else 128, repeats=3 if quick else 5)
+    out["fs"] = bench_tiers.bench_fs(pages=32 if quick else 128, repeats=3 if quick else 5)
     progress("tiers: filesystem batched reads (promotion path) vs raw reads of the same files")
-    out["fs_batch"] = bench_fs_batch(total_bytes=(16 if quick else 64) * MiB, repeats=3 if quick else 9)
+    out["fs_batch"] = bench_tiers.bench_fs_batch(total_bytes=(16 if quick else 64) * MiB, repeats=3 if quick else 9)
     progress("tiers: opening a large filesystem store")
-    out["fs_startup"] = bench_fs_startup(20_000 if quick else 200_000)
+    out["fs_startup"] = bench_tiers.bench_fs_startup(20_000 if quick else 200_000)
     progress("tiers: opening a store of small pages in packs")
-    out["fs_startup_packed"] = bench_fs_startup_packed(100_000 if quick else 1_000_000)
+    out["fs_startup_packed"] = bench_tiers.bench_fs_startup_packed(100_000 if quick else 1_000_000)
     if remote:
         progress("tiers: remote")
-        out["remote"] = [bench_remote(remote, 64 * 1024, 512, repeats=3 if quick else 5),
-                         bench_remote(remote, MiB, 64, repeats=3 if quick else 5)]
+        out["remote"] = [bench_tiers.bench_remote(remote, 64 * 1024, 512, repeats=3 if quick else 5),
+                         bench_tiers.bench_remote(remote, MiB, 64, repeats=3 if quick else 5)]
     progress("block-key hashing")
     out["hashing"] = bench_hashing()
     progress("hit lookup with a filesystem tier attached vs RAM only")
