@@ -1,0 +1,215 @@
+"""What the connector costs a server under load: ``vllm serve`` without and with hybridkv, the
+same concurrent clients, in one run.
+
+    .venv-vllm/bin/python -m hybridkv.tools.bench_vllm_load [--family lfm2] [--clients 16]
+                                                             [--requests 96] [--out F]
+
+Two workloads, each against both servers:
+- ``unique``: every prompt new (no reuse at all): what every request pays for keying, lookups,
+  reservations and write-through, the cost of a miss;
+- ``reuse``: a few shared system prompts and multi-turn sessions (each turn re-sends the one
+  before): hit rate, and what restoring does to the server.
+``--clients`` threads send streaming completions through the ``openai`` client; reported are
+throughput (requests/s, output tokens/s), p50/p99 time to first token and inter-token latency.
+The connector gets a RAM tier and a disk store in a temporary directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from hybridkv.tools.bench_common import machine
+
+OUTPUT_TOKENS = 16
+START_TIMEOUT_S = 600
+
+
+def unique_prompts(n: int, seed: int = 1) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 512) for _ in range(rng.randrange(1024, 2049))] for _ in range(n)]
+
+
+def reuse_prompts(n: int, seed: int = 2) -> list[list[int]]:
+    """Half behind 3 system prompts of 1,536 tokens, half multi-turn sessions of 8 users whose
+    every turn re-sends the history with 256 new tokens (in order: a turn follows its last)."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(3, 512) for _ in range(1536)] for _ in range(3)]
+    history = [[rng.randrange(3, 512) for _ in range(512)] for _ in range(8)]
+    out = []
+    for i in range(n):
+        if i % 2:
+            out.append(systems[rng.randrange(3)] + [rng.randrange(3, 512) for _ in range(rng.randrange(64, 257))])
+        else:
+            user = (i // 2) % 8
+            history[user] = (history[user] + [rng.randrange(3, 512) for _ in range(256)])[-3500:]
+            out.append(list(history[user]))
+    return out
+
+
+class Server:
+    """``vllm serve`` on a free port, with ``connector`` (a kv-transfer config) or none."""
+
+    def __init__(self, model: Path, family: str, log: Path, connector: dict | None):
+        from hybridkv.integrations.vllm.tiny_models import dtype_of
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                "--served-model-name", "tiny", "--port", str(self.port), "--host", "127.0.0.1",
+                "--dtype", dtype_of(family), "--enforce-eager", "--skip-tokenizer-init",
+                "--enable-prefix-caching", "--max-model-len", "8192", "--enable-prompt-tokens-details"]
+        if connector is not None:
+            args += ["--kv-transfer-config", json.dumps(connector)]
+        self.log = open(log, "w")  # noqa: SIM115 - held for the server's lifetime
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"})
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited; see {log}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
+                    return
+            except OSError:
+                time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"vllm serve did not become healthy; see {log}")
+
+    def stop(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGINT)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.log.close()
+
+
+def _one(client, prompt: list[int]) -> dict:
+    start = time.perf_counter()
+    stamps, cached = [], 0
+    stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=OUTPUT_TOKENS, temperature=0,
+                                       stream=True, stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True})
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].text is not None:
+            stamps.append(time.perf_counter())
+        if chunk.usage is not None and chunk.usage.prompt_tokens_details is not None:
+            cached = chunk.usage.prompt_tokens_details.cached_tokens or 0
+    gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    return {"ttft_s": stamps[0] - start, "itl_s": gaps, "cached": cached, "prompt": len(prompt),
+            "output": len(stamps)}
+
+
+def drive(port: int, prompts: list[list[int]], clients: int) -> dict:
+    """Send ``prompts`` from ``clients`` threads, each taking the next one when done."""
+    import openai
+
+    results: list[dict | None] = [None] * len(prompts)
+    lock, nxt = threading.Lock(), [0]
+
+    def worker() -> None:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        while True:
+            with lock:
+                i = nxt[0]
+                nxt[0] += 1
+            if i >= len(prompts):
+                return
+            results[i] = _one(client, prompts[i])
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - started
+    done = [r for r in results if r is not None]
+    ttft = sorted(r["ttft_s"] for r in done)
+    itl = sorted(g for r in done for g in r["itl_s"])
+
+    def pct(xs, q):
+        return xs[min(len(xs) - 1, int(q * len(xs)))] * 1e3 if xs else None
+
+    return {"requests": len(done), "wall_s": wall, "requests_per_s": len(done) / wall,
+            "output_tokens_per_s": sum(r["output"] for r in done) / wall,
+            "ttft_p50_ms": statistics.median(ttft) * 1e3, "ttft_p99_ms": pct(ttft, 0.99),
+            "itl_p50_ms": pct(itl, 0.5), "itl_p99_ms": pct(itl, 0.99),
+            "hit_rate": sum(r["cached"] for r in done) / max(1, sum(r["prompt"] for r in done))}
+
+
+def run(family: str, clients: int, requests: int, work: Path) -> dict:
+    from hybridkv.integrations.vllm.tiny_models import save_tiny_checkpoint
+
+    model = save_tiny_checkpoint(family, work / "model")
+    workloads = {"unique": unique_prompts(requests), "reuse": reuse_prompts(requests)}
+    out: dict = {"family": family, "clients": clients, "output_tokens": OUTPUT_TOKENS, "machine": machine(),
+                 "runs": {}}
+    for name, connector in (("vllm", None), ("hybridkv", {
+            "kv_connector": "HybridKVConnector", "kv_role": "kv_both",
+            "kv_connector_module_path": "hybridkv.integrations.vllm",
+            "kv_connector_extra_config": {"store": str(work / "store"), "ram_bytes": "512MiB"}})):
+        (work / "store").mkdir(exist_ok=True)
+        print(f"[load] starting vllm serve ({name})", file=sys.stderr, flush=True)
+        server = Server(model, family, work / f"{name}.log", connector)
+        try:
+            drive(server.port, unique_prompts(clients, seed=99), clients)      # warm-up, not timed
+            for workload, prompts in workloads.items():
+                print(f"[load] {name}: {workload}, {len(prompts)} requests", file=sys.stderr, flush=True)
+                out["runs"].setdefault(workload, {})[name] = drive(server.port, prompts, clients)
+        finally:
+            server.stop()
+    return out
+
+
+def table(res: dict) -> str:
+    lines = ["| workload | server | req/s | output tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | prompt tokens cached |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for workload, by in res["runs"].items():
+        for name, r in by.items():
+            lines.append(f"| {workload} | {name} | {r['requests_per_s']:.2f} | {r['output_tokens_per_s']:.1f} | "
+                         f"{r['ttft_p50_ms']:.0f} ms | {r['ttft_p99_ms']:.0f} ms | {r['itl_p50_ms']:.1f} ms | "
+                         f"{r['itl_p99_ms']:.1f} ms | {r['hit_rate']:.1%} |")
+        if {"vllm", "hybridkv"} <= by.keys():
+            a, b = by["vllm"], by["hybridkv"]
+            lines.append(f"| {workload} | hybridkv / vllm | {b['requests_per_s'] / a['requests_per_s']:.2f}x | "
+                         f"{b['output_tokens_per_s'] / a['output_tokens_per_s']:.2f}x | "
+                         f"{b['ttft_p50_ms'] / a['ttft_p50_ms']:.2f}x | {b['ttft_p99_ms'] / a['ttft_p99_ms']:.2f}x | "
+                         f"{b['itl_p50_ms'] / a['itl_p50_ms']:.2f}x | {b['itl_p99_ms'] / a['itl_p99_ms']:.2f}x | |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hybridkv.tools.bench_vllm_load", description=__doc__.splitlines()[0])
+    parser.add_argument("--family", default="lfm2")
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=96)
+    parser.add_argument("--out", type=Path, default=Path("docs/bench_vllm_load.json"))
+    args = parser.parse_args(argv)
+    if args.clients < 1 or args.requests < 1:
+        print("bench_vllm_load: error: --clients and --requests must be >= 1", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        res = run(args.family, args.clients, args.requests, Path(tmp))
+    args.out.write_text(json.dumps(res, indent=1))
+    print(table(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
