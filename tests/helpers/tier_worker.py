@@ -1,9 +1,10 @@
 """Child process for tier tests: writes or reads pages of a small layout through real tiers.
 
 usage: tier_worker.py write STORE N [--storm] | read STORE N | region-create PATH | region-attach PATH
-       | region-pin PATH LOG
+       | region-pin PATH LOG OTHERS
 """
 
+import os
 import sys
 import time
 
@@ -52,6 +53,12 @@ def written_tier(store, n=3, **kw) -> FilesystemTier:
     return tier
 
 
+def _waiting_on(inode: int) -> int:
+    """Processes blocked in flock on the file with this inode (/proc/locks' "->" lines)."""
+    with open("/proc/locks") as f:
+        return sum(1 for line in f if "->" in line and line.split()[-3].split(":")[-1] == str(inode))
+
+
 def main() -> None:
     cmd, target = sys.argv[1], sys.argv[2]
     if cmd.startswith("region-"):
@@ -59,13 +66,22 @@ def main() -> None:
             region = SharedRegion.create(target, 4, 4096)
             region.write(0, np.full(4096, 7, np.uint8))
         elif cmd == "region-pin":           # log the hook's start and end: do two overlap?
-            log = sys.argv[3]
+            log, others = sys.argv[3], int(sys.argv[4])
             region = SharedRegion.attach(target, 4, 4096)
 
             def hook(_region):
                 with open(log, "a") as f:
                     f.write("start\n")
-                time.sleep(0.4)
+                # hold the lock until every process still to come waits on it (the kernel's
+                # list of blocked flocks says so), or 10 s: a lock that excludes nothing
+                # lets them start meanwhile
+                inode, deadline = os.stat(target).st_ino, time.monotonic() + 10
+                while time.monotonic() < deadline:
+                    with open(log) as f:
+                        done = f.read().split().count("end")
+                    if _waiting_on(inode) >= others - done:
+                        break
+                    time.sleep(0.01)
                 with open(log, "a") as f:
                     f.write("end\n")
 

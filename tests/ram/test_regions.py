@@ -62,7 +62,7 @@ def test_pin_hooks_of_two_processes_never_overlap(tmp_path):
     """cudaHostRegister of one region from several ranks at once is what the flock prevents."""
     path, log = tmp_path / "hybridkv-pinned", tmp_path / "pin.log"
     region = SharedRegion.create(path, 4, 4096)
-    children = [spawn("region-pin", path, log) for _ in range(3)]
+    children = [spawn("region-pin", path, log, 2) for _ in range(3)]
     for child in children:
         assert child.wait(timeout=60) == 0
     assert log.read_text().split() == ["start", "end"] * 3

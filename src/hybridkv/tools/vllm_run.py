@@ -52,6 +52,8 @@ def run(job: dict) -> dict:
             kv_role="kv_both", kv_connector_extra_config=job["connector"], **job.get("transfer", {}))
     if tp > 1:
         kwargs.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
+    if job.get("kv_cache_dtype"):
+        kwargs["kv_cache_dtype"] = job["kv_cache_dtype"]
     t0 = time.perf_counter()
     llm = LLM(model=job["model"], dtype=job.get("dtype", "float32"), enforce_eager=True,
               skip_tokenizer_init=True, enable_prefix_caching=True,
