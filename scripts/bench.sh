@@ -2,7 +2,8 @@
 # Regenerates docs/benchmarks.md, docs/bench.json and docs/img/*.png with one full run.
 # A throwaway redis-server on a loopback port is started for the remote-tier figures when
 # redis-server is installed. Pass --quick for the two-minute version. HYBRIDKV_TRACES names a
-# directory of Mooncake-format traces (*.jsonl) the state-policy comparison replays as well.
+# directory of Mooncake-format traces (*.jsonl) the state-policy comparison replays as well;
+# HYBRIDKV_VLLM_LOAD=1 also runs vllm serve under 16 clients with and without hybridkv (minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -25,5 +26,8 @@ if [ -n "${HYBRIDKV_TRACES:-}" ]; then traces=(--traces "$HYBRIDKV_TRACES"); fi
 # every state policy on workloads and traces (about 15 minutes with the two public traces)
 .venv/bin/python -m hybridkv.tools.bench_policies "${traces[@]}" --out docs/bench_policies.json \
   --plot docs/img/policies.png > /dev/null
+if [ -n "${HYBRIDKV_VLLM_LOAD:-}" ]; then
+  .venv-vllm/bin/python -m hybridkv.tools.bench_vllm_load --out docs/bench_vllm_load.json > /dev/null
+fi
 .venv/bin/python -m hybridkv.tools.bench_report docs/bench.json docs/benchmarks.md
 echo "wrote docs/benchmarks.md"
