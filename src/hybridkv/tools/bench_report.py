@@ -381,8 +381,8 @@ def write_page(results_path: str, page_path: str) -> None:
 
         res_load = json.loads(load.read_text())
         text += ("\n### Serving under load (`python -m hybridkv.tools.bench_vllm_load`, `docs/bench_vllm_load.json`)\n\n"
-                 f"`vllm serve` ({res_load['family']}, one worker) without and with hybridkv (RAM and a disk "
-                 f"store), {res_load['clients']} concurrent streaming clients, {res_load['output_tokens']} "
+                 f"`vllm serve` ({res_load['family']}, one worker) without and with hybridkv "
+                 f"({res_load.get('tiers', 'RAM and a disk store')}), {res_load['clients']} concurrent streaming clients, {res_load['output_tokens']} "
                  "output tokens a request. `unique`: no prompt repeats (what a miss costs); `reuse`: shared "
                  "system prompts and multi-turn sessions.\n\n" + load_table(res_load) + "\n")
     policies = Path(results_path).with_name("bench_policies.json")

@@ -11,7 +11,7 @@ Two workloads, each against both servers:
   before): hit rate, and what restoring does to the server.
 ``--clients`` threads send streaming completions through the ``openai`` client; reported are
 throughput (requests/s, output tokens/s), p50/p99 time to first token and inter-token latency.
-The connector gets a RAM tier and a disk store in a temporary directory.
+The connector gets a RAM tier and a disk store in a temporary directory (``--ram-only``: RAM).
 """
 
 from __future__ import annotations
@@ -153,17 +153,18 @@ def drive(port: int, prompts: list[list[int]], clients: int) -> dict:
             "hit_rate": sum(r["cached"] for r in done) / max(1, sum(r["prompt"] for r in done))}
 
 
-def run(family: str, clients: int, requests: int, work: Path) -> dict:
+def run(family: str, clients: int, requests: int, work: Path, ram_only: bool = False) -> dict:
     from hybridkv.integrations.vllm.tiny_models import save_tiny_checkpoint
 
     model = save_tiny_checkpoint(family, work / "model")
     workloads = {"unique": unique_prompts(requests), "reuse": reuse_prompts(requests)}
     out: dict = {"family": family, "clients": clients, "output_tokens": OUTPUT_TOKENS, "machine": machine(),
-                 "runs": {}}
+                 "tiers": "RAM" if ram_only else "RAM and a disk store", "runs": {}}
     for name, connector in (("vllm", None), ("hybridkv", {
             "kv_connector": "HybridKVConnector", "kv_role": "kv_both",
             "kv_connector_module_path": "hybridkv.integrations.vllm",
-            "kv_connector_extra_config": {"store": str(work / "store"), "ram_bytes": "512MiB"}})):
+            "kv_connector_extra_config": {"ram_bytes": "512MiB"} if ram_only else
+            {"store": str(work / "store"), "ram_bytes": "512MiB"}})):
         (work / "store").mkdir(exist_ok=True)
         print(f"[load] starting vllm serve ({name})", file=sys.stderr, flush=True)
         server = Server(model, family, work / f"{name}.log", connector)
@@ -199,13 +200,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--family", default="lfm2")
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--requests", type=int, default=96)
+    parser.add_argument("--ram-only", action="store_true", help="the connector without a disk store")
     parser.add_argument("--out", type=Path, default=Path("docs/bench_vllm_load.json"))
     args = parser.parse_args(argv)
     if args.clients < 1 or args.requests < 1:
         print("bench_vllm_load: error: --clients and --requests must be >= 1", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory() as tmp:
-        res = run(args.family, args.clients, args.requests, Path(tmp))
+        res = run(args.family, args.clients, args.requests, Path(tmp), args.ram_only)
     args.out.write_text(json.dumps(res, indent=1))
     print(table(res))
     return 0
