@@ -54,6 +54,8 @@ def run(job: dict) -> dict:
         kwargs.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
     if job.get("kv_cache_dtype"):
         kwargs["kv_cache_dtype"] = job["kv_cache_dtype"]
+    if job.get("max_lora_rank"):         # requests may then name an adapter: "lora": [name, id, path]
+        kwargs.update(enable_lora=True, max_lora_rank=job["max_lora_rank"], max_loras=1)
     t0 = time.perf_counter()
     llm = LLM(model=job["model"], dtype=job.get("dtype", "float32"), enforce_eager=True,
               skip_tokenizer_init=True, enable_prefix_caching=True,
@@ -71,8 +73,13 @@ def run(job: dict) -> dict:
         salted = {"cache_salt": req["salt"]} if req.get("salt") else {}
         prompts = [TokensPrompt(prompt_token_ids=ids, **salted) for ids in req.get("batch") or [req["tokens"]]]
         start = time.perf_counter()
+        lora = None
+        if req.get("lora"):
+            from vllm.lora.request import LoRARequest
+
+            lora = LoRARequest(*req["lora"])
         outs = [{"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens or 0}
-                for out in llm.generate(prompts, params, use_tqdm=False)]
+                for out in llm.generate(prompts, params, use_tqdm=False, lora_request=lora)]
         seconds = round(time.perf_counter() - start, 4)
         results["requests"].append({"batch": outs, "seconds": seconds} if "batch" in req
                                    else {**outs[0], "seconds": seconds})

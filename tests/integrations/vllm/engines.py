@@ -47,16 +47,17 @@ def engine_env(in_process: bool = False, tp: int = 1) -> dict:
 
 def run_engine(model_dir: Path, family: str, connector: dict | None, requests: list[dict],
                workdir: Path, name: str, transfer: dict | None = None, tp: int = 1,
-               kv_cache_dtype: str | None = None) -> dict:
+               kv_cache_dtype: str | None = None, max_lora_rank: int | None = None) -> dict:
     """One fresh vLLM engine process; returns its results and the connector's stats file.
     ``transfer``: more KVTransferConfig fields (kv_load_failure_policy); ``tp``: tensor-parallel
-    workers; ``kv_cache_dtype``: vLLM's (fp8_e4m3, fp8_e5m2)."""
+    workers; ``kv_cache_dtype``: vLLM's (fp8_e4m3, fp8_e5m2); ``max_lora_rank``: LoRA on (requests
+    then name an adapter, ``"lora": [name, id, path]``)."""
     stats = Path(connector.get("stats_file", workdir / f"{name}-stats.json")) if connector else None
     if connector is not None:
         connector = {**connector, "stats_file": str(stats)}
     job = {"model": str(model_dir), "dtype": dtype_of(family), "connector": connector,
            "requests": requests, "max_tokens": 8, "transfer": transfer or {}, "tensor_parallel_size": tp,
-           "kv_cache_dtype": kv_cache_dtype}
+           "kv_cache_dtype": kv_cache_dtype, "max_lora_rank": max_lora_rank}
     path = workdir / f"{name}-job.json"
     path.write_text(json.dumps(job))
     proc = subprocess.run([sys.executable, "-m", "hybridkv.tools.vllm_run", str(path)],
