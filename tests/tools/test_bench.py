@@ -113,7 +113,7 @@ def test_bench_policies_on_a_trace_directory(tmp_path):
     traces = tmp_path / "traces"
     traces.mkdir()
     lines = list(multi_turn_trace(sessions=20, turns=3))
-    write_mooncake(traces / "mine.jsonl", (i for i, _ in lines), 512, (n for _, n in lines))
+    write_mooncake(traces / "mine.jsonl", lines, 512)
     out = tmp_path / "p.json"
     assert bench_policies.main(["--traces", str(traces), "--traces-only", "--out", str(out),
                                 "--plot", str(tmp_path / "p.png")]) == 0

@@ -7,7 +7,7 @@ import pytest
 from hybridkv.connector import Connector
 from hybridkv.core.layout import layout_from_dict
 from hybridkv.tools.policy_compare import compare
-from hybridkv.tools.simulator import Policy, PrefixTruth, policy, replay, simulate
+from hybridkv.tools.simulator import Policy, PrefixTruth, policy, replay, workload_prompts
 from hybridkv.tools.traces import read_trace, write_mooncake
 from hybridkv.tools.workloads import WORKLOADS, agent_trace, multi_turn_trace, shared_system_prompt
 
@@ -17,6 +17,12 @@ B = 256
 LAYOUT = layout_from_dict({"model": "sim", "block_tokens": B, "max_model_len": 1 << 20, "groups": [
     {"id": 0, "kind": "attention", "page_bytes": 1000}, {"id": 1, "kind": "state", "page_bytes": 5000}]})
 HUGE = 1 << 40
+
+
+def simulate(layout, workload, budget, retention=0, eviction="lru", reference_tokens=8192):
+    """One synthetic workload under one retention and eviction, through the real connector."""
+    pol = Policy(f"{retention}/{eviction}", retention=retention, eviction=eviction)
+    return replay(layout, workload_prompts(workload), budget, pol, workload, reference_tokens)
 
 
 def _system_prompt_expectation(dense: bool) -> int:
@@ -76,7 +82,7 @@ def test_sparse_retention_beats_dense_when_states_are_large():
 # -- traces, policies and the wrong-hit check ------------------------------------------------
 def _trace(tmp_path, lines, name="t.jsonl"):
     path = tmp_path / name
-    write_mooncake(path, (ids for ids, _ in lines), 512, (n for _, n in lines))
+    write_mooncake(path, lines, 512)
     return path
 
 

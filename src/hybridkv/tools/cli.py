@@ -13,8 +13,6 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
-import numpy as np
-
 from hybridkv.config import CacheConfig
 from hybridkv.core.errors import HybridKVError
 from hybridkv.core.requests import all_token_ids, check_max_new_tokens, check_salt
@@ -293,33 +291,11 @@ def _cmd_layout(args) -> int:
     return 0
 
 
-def _simulation_prompts(args) -> tuple[str, list]:
-    """The prompts ``simulate`` replays: a trace file or a named synthetic workload."""
-    import tempfile
-
-    from hybridkv.tools.simulator import workload_prompts
-    from hybridkv.tools.traces import read_trace, write_mooncake
-    from hybridkv.tools.workloads import TRACE_BLOCK, TRACE_WORKLOADS, WORKLOADS
-
-    if args.trace:
-        return os.path.basename(args.trace), [r.tokens for r in read_trace(args.trace, args.trace_format,
-                                                                              args.trace_block_tokens)]
-    if args.workload in TRACE_WORKLOADS:
-        lines = list(TRACE_WORKLOADS[args.workload]())
-        with tempfile.TemporaryDirectory() as tmp:     # through the file format users give
-            path = os.path.join(tmp, "trace.jsonl")
-            write_mooncake(path, (ids for ids, _ in lines), TRACE_BLOCK, (n for _, n in lines))
-            return args.workload, [r.tokens for r in read_trace(path, "mooncake", TRACE_BLOCK)]
-    if args.workload in WORKLOADS:
-        return args.workload, workload_prompts(args.workload)
-    raise HybridKVError(f"workload {args.workload!r} is unknown; use one of "
-                        f"{', '.join([*WORKLOADS, *TRACE_WORKLOADS])}, or give --trace")
-
-
 def _cmd_simulate(args) -> int:
     from hybridkv.config import load_layout
     from hybridkv.tools import policy_compare
-    from hybridkv.tools.simulator import Policy, policy, replay
+    from hybridkv.tools.simulator import Policy, policy, reference_tokens, replay, workload_prompts
+    from hybridkv.tools.traces import read_trace
 
     if bool(args.trace) == bool(args.workload):
         raise HybridKVError("give either --trace PATH or --workload NAME")
@@ -334,10 +310,13 @@ def _cmd_simulate(args) -> int:
         layout = load_layout(Path(__file__).resolve().parents[1] / "data" / "qwen3-next-80b-a3b.json")
     budgets = [parse_size(b, "--ram-bytes") for b in args.ram_bytes.split(",") if b.strip()]
     if not budgets:
-        raise HybridKVError("--ram-bytes is empty; give a size or a comma list, e.g. 32G,128G")
-    name, prompts = _simulation_prompts(args)
-    B = layout.block_tokens
-    reference = args.reference_tokens or max(B, int(np.mean([len(p) for p in prompts])) // B * B)
+        raise HybridKVError("--ram-bytes is empty; give a size or a comma list, e.g. 32GiB,128GiB")
+    if args.trace:
+        name = os.path.basename(args.trace)
+        prompts = [r.tokens for r in read_trace(args.trace, args.trace_format, args.trace_block_tokens)]
+    else:
+        name, prompts = args.workload, workload_prompts(args.workload)
+    reference = args.reference_tokens or reference_tokens(prompts, layout.block_tokens)
     if args.compare:
         policies = args.policies.split(",") if args.policies else policy_compare.DEFAULT_POLICIES
         for p in policies:
@@ -449,7 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layout", help="layout JSON (default: the shipped Qwen3-Next-80B-A3B layout)")
     p.add_argument("--model", help="a built-in model's layout instead (needs torch)")
     p.add_argument("--block-tokens", type=_positive_int, default=256, help="block size with --model")
-    p.add_argument("--ram-bytes", default="32G,128G,512G", help="RAM budget, or a comma list to sweep")
+    p.add_argument("--ram-bytes", default="32GiB,128GiB,512GiB", help="RAM budget, or a comma list to sweep")
     p.add_argument("--reference-tokens", type=_positive_int,
                    help="context length the pools are planned for (default: the trace's mean prompt)")
     p.add_argument("--policy", help="a named policy: dense, vllm-align, semantic, semantic-tail, periodic-N, marconi")

@@ -44,9 +44,9 @@ class Comparison:
         """The policy with the highest token hit rate per budget (the recommended one on ties)."""
         out = []
         for i in range(len(self.budgets)):
-            top = max(r[i].token_hit_rate for r in self.results.values())
-            out.append(self.recommended if self.results[self.recommended][i].token_hit_rate >= top
-                       else max(self.results, key=lambda name: self.results[name][i].token_hit_rate))
+            rates = {name: rs[i].token_hit_rate for name, rs in self.results.items()}
+            top = max(rates, key=rates.get)
+            out.append(self.recommended if rates[self.recommended] >= rates[top] else top)
         return out
 
     def wrong_hits(self) -> int:

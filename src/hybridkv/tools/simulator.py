@@ -14,8 +14,10 @@ builds the named ones the comparison runs; ``recommended`` is hybridkv's default
 from __future__ import annotations
 
 import dataclasses
+import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
@@ -28,7 +30,8 @@ from hybridkv.core.layout import GroupKind, Layout
 from hybridkv.core.retention import Retention, replay_boundary
 from hybridkv.ram.policies import CostAwareLRU, EvictionPolicy
 from hybridkv.ram.regions import PagelessRegion
-from hybridkv.tools.workloads import WORKLOADS
+from hybridkv.tools.traces import read_trace, write_mooncake
+from hybridkv.tools.workloads import TRACE_BLOCK, TRACE_WORKLOADS, WORKLOADS
 
 # Prefill compute model of the default layout's model (Qwen3-Next-80B-A3B): 2 FLOPs per
 # active parameter per token, plus attention's score and value products over the prefix
@@ -151,9 +154,11 @@ class SimResult:
                 "bytes_per_hit_token": self.bytes_per_hit_token}
 
 
-def _cost_aware(costs: dict[int, dict], alpha: float) -> Callable[[int, int], EvictionPolicy]:
+def _cost_aware(layout: Layout, costs: dict[bool, dict], alpha: float) -> Callable[[int, int], EvictionPolicy]:
+    """Pools whose policy weighs each key's cost per byte: ``costs[True]`` for the state
+    groups' keys, ``costs[False]`` for the token groups' (every group of a kind shares one)."""
     def make(gid: int, capacity: int) -> EvictionPolicy:
-        return CostAwareLRU(capacity, costs.setdefault(gid, {}).get, alpha)
+        return CostAwareLRU(capacity, costs[layout.group(gid).kind is GroupKind.STATE].get, alpha)
     return make
 
 
@@ -169,16 +174,16 @@ def replay(layout: Layout, requests: Sequence[np.ndarray] | Iterable[np.ndarray]
     config = CacheConfig(block_tokens=B, ram_bytes=budget_bytes, eviction="lru" if pol.eviction == "flop"
                          else pol.eviction, retention=pol.retention, tail_states=pol.tail,
                          reference_tokens=reference_tokens)
-    costs: dict[int, dict] = {}
+    flop_aware = pol.eviction == "flop"
+    block_cost, state_cost = {}, {}      # key -> recompute FLOPs its page saves, per byte
     cache = TieredCache(layout, config, secondaries=[], pageless=True,
-                        eviction=_cost_aware(costs, pol.alpha) if pol.eviction == "flop" else None)
+                        eviction=_cost_aware(layout, {False: block_cost, True: state_cost}, pol.alpha)
+                        if flop_aware else None)
     conn = connector(cache, pol.keeper(B))
     token_pages = dict.fromkeys(conn.token_groups, PagelessRegion.EMPTY)
     state_pages = dict.fromkeys(conn.state_groups, PagelessRegion.EMPTY)
     token_bytes = sum(layout.group(g).page_bytes for g in conn.token_groups)
     state_bytes = sum(layout.group(g).page_bytes for g in conn.state_groups)
-    block_cost = [costs.setdefault(g, {}) for g in conn.token_groups] if pol.eviction == "flop" else []
-    state_cost = [costs.setdefault(g, {}) for g in conn.state_groups] if pol.eviction == "flop" else []
     truth = PrefixTruth(B)
     n = prompt = saved = servable = wrong = 0
     flops = 0.0
@@ -202,12 +207,12 @@ def replay(layout: Layout, requests: Sequence[np.ndarray] | Iterable[np.ndarray]
             for boundary in range(hit + B, len(tokens) + 1, B):
                 block = boundary // B - 1
                 if token_pages and conn.wants_block(req, block):
-                    for table in block_cost:
-                        table[req.keys[block]] = prefill_flops(boundary - B, boundary) / token_bytes
+                    if flop_aware:
+                        block_cost[req.keys[block]] = prefill_flops(boundary - B, boundary) / token_bytes
                     conn.offer_block(req, block, token_pages)
                 if state_pages and conn.wants_state(req, boundary):
-                    for table in state_cost:
-                        table[req.keys[block]] = prefill_flops(last_state, boundary) / state_bytes
+                    if flop_aware:
+                        state_cost[req.keys[block]] = prefill_flops(last_state, boundary) / state_bytes
                     last_state = boundary
                     conn.offer_state(req, boundary, state_pages)
             conn.finish(req)
@@ -218,17 +223,21 @@ def replay(layout: Layout, requests: Sequence[np.ndarray] | Iterable[np.ndarray]
         cache.close()
 
 
-def workload_prompts(workload: str, scale: float = 1.0) -> list[np.ndarray]:
-    """A synthetic workload's prompts as token id arrays."""
-    if workload not in WORKLOADS:
-        raise HybridKVError(f"workload {workload!r} is unknown; use one of {', '.join(WORKLOADS)}")
-    sizes = {"users": 24, "turns": 6} if workload == "multi_turn_chat" else {}
-    gen = WORKLOADS[workload](**{k: max(1, int(v * scale)) for k, v in sizes.items()})
-    return [np.asarray(t, dtype=np.int64) for t in gen]
+def workload_prompts(name: str, **sizes) -> list[np.ndarray]:
+    """A built-in workload's prompts as token id arrays (``sizes``: its generator's arguments).
+    A generated trace goes through the Mooncake file format users give, so what it measures
+    includes reading a trace."""
+    if name in WORKLOADS:
+        return [np.asarray(t, dtype=np.int64) for t in WORKLOADS[name](**sizes)]
+    if name in TRACE_WORKLOADS:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / f"{name}.jsonl"
+            write_mooncake(path, TRACE_WORKLOADS[name](**sizes), TRACE_BLOCK)
+            return [r.tokens for r in read_trace(path, "mooncake", TRACE_BLOCK)]
+    raise HybridKVError(f"workload {name!r} is unknown; use one of {', '.join([*WORKLOADS, *TRACE_WORKLOADS])}, "
+                        "or give a trace")
 
 
-def simulate(layout: Layout, workload: str, budget_bytes: int, retention: int | None = 0,
-             eviction: str = "lru", reference_tokens: int = 8192, scale: float = 1.0) -> SimResult:
-    """One synthetic workload under one retention and eviction (the benchmark's sweep)."""
-    pol = Policy(f"{retention}/{eviction}", retention=retention, eviction=eviction)
-    return replay(layout, workload_prompts(workload, scale), budget_bytes, pol, workload, reference_tokens)
+def reference_tokens(prompts: Sequence[np.ndarray], block_tokens: int) -> int:
+    """What the pools are planned for by default: the mean prompt, in whole blocks."""
+    return max(block_tokens, int(np.mean([len(p) for p in prompts])) // block_tokens * block_tokens)

@@ -16,7 +16,7 @@ silently, because a trace with holes would report a hit rate that is not the tra
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -119,15 +119,11 @@ def read_trace(path: str | Path, fmt: str = "mooncake", block_tokens: int = 512)
     return out
 
 
-def write_mooncake(path: str | Path, requests: Iterable[list[int]], block_tokens: int = 512,
-                   lengths: Iterable[int] | None = None) -> int:
-    """Write hash-id lists as a Mooncake trace (one line each; ``lengths`` trims the last
-    block, else every block is full). Returns the number of requests written."""
-    lengths = iter(lengths) if lengths is not None else None
+def write_mooncake(path: str | Path, lines: Iterable[tuple[Sequence[int], int]], block_tokens: int = 512) -> int:
+    """Write ``(hash ids, input_length)`` lines as a Mooncake trace. Returns how many."""
     n = 0
     with Path(path).open("w") as f:
-        for n, ids in enumerate(requests, 1):
-            length = next(lengths) if lengths is not None else len(ids) * block_tokens
+        for n, (ids, length) in enumerate(lines, 1):
             f.write(json.dumps({"timestamp": n, "input_length": length, "output_length": 0,
                                 "hash_ids": list(ids)}) + "\n")
     return n

@@ -6,8 +6,8 @@ The job names the model directory, dtype, the connector's extra config (or null 
 vLLM), optionally more ``KVTransferConfig`` fields (``"transfer"``) and a
 ``"tensor_parallel_size"`` (workers in processes of their own, each bound to a core of its
 own unless ``VLLM_CPU_OMP_THREADS_BIND`` says otherwise: vLLM's CPU build refuses ranks that
-share cores), and a list of requests run one after another.
-On a request:
+share cores), ``"kv_cache_dtype"`` (vLLM's, e.g. ``fp8_e5m2``), ``"max_lora_rank"`` (LoRA on),
+and a list of requests run one after another. On a request:
 
 - ``"reset": true`` empties vLLM's own prefix cache first, so a repeat must come from hybridkv;
   ``"reset_connector": true`` empties hybridkv's too, as after a weight update.
@@ -15,6 +15,7 @@ On a request:
   list).
 - ``"salt"`` is vLLM's ``cache_salt`` (a salted prompt shares no page with the unsalted one: a
   cold control).
+- ``"lora": [name, id, path]`` runs the request under that adapter (with ``"max_lora_rank"``).
 - ``"unlink_ram_regions": true`` removes the RAM region files from ``ram_dir`` first, so the
   worker cannot attach them (a failure test).
 

@@ -3,7 +3,6 @@
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,12 +16,6 @@ from hybridkv.tiers import packfile, pagefile
 from hybridkv.tools.vllm_run import cpu_threads_bind
 
 ENGINE_TIMEOUT_S = 600
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tokens(seed: int, n: int) -> list[int]:

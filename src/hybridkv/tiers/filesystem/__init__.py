@@ -203,9 +203,7 @@ class FilesystemTier(ScanMixin, ReadMixin, WriteMixin, ReclaimMixin, SecondaryTi
         with self.index.lock:               # O(evicted) per write: the LRU end of the order, no scan
             victims, evicted = self.index.evict_to(max(0, self.max_bytes - self._others_bytes), keep)
             self.stats["evictions"] += evicted
-        for path in victims:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+        self._remove(victims)
 
     def _forget(self, group: int, key: bytes) -> None:
         ident = page_ident(group, key)

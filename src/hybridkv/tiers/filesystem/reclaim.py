@@ -19,15 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import shutil
 import time
 
 import numpy as np
 
-from hybridkv.tiers import packfile
 from hybridkv.tiers.filesystem.index import Pack
-from hybridkv.tiers.filesystem.paths import open_page, regular_stat
+from hybridkv.tiers.filesystem.paths import regular_stat
 from hybridkv.tiers.io_queue import WRITE
 
 log = logging.getLogger(__name__)
@@ -111,16 +109,10 @@ class ReclaimMixin:
 
     def _compact(self, pack: Pack) -> bool:
         """Move a pack's live pages, verified, into a new pack; then the old one goes."""
-        path = f"{self._packs_dir}/{pack.name}"
-        try:
-            fd = open_page(path, os.O_RDONLY)
-            try:
-                table = packfile.read_table(fd)     # the keys: the index keeps fingerprints only
-            finally:
-                os.close(fd)
-        except (OSError, ValueError) as e:
-            log.warning("cannot compact pack %s: %s", path, e)
+        found = self._open_pack(pack.name)     # its table: the index keeps no keys, only fingerprints
+        if found is None:
             return False
+        table = found[1]
         with self.index.lock:
             entries = self.index.live_entries(pack)
         if len(entries):
