@@ -4,28 +4,28 @@ import threading
 
 import numpy as np
 
-from hybridkv.cache import TieredCache
+from hybridkv.cache import TieredCache, store_pages
 from hybridkv.config import CacheConfig
 from hybridkv.ram.regions import SharedRegion
 from hybridkv.tiers import filesystem
 from hybridkv.tiers.filesystem import FilesystemTier
 
-from helpers.tier_worker import LAYOUT, flip_payload_byte, key, page
+from helpers.tier_worker import LAYOUT, flip_payload_byte, key, load_now, page
 
 
 def test_write_through_pins_until_written_then_promotes_after_restart(tmp_path):
     config = CacheConfig(block_tokens=16, ram_bytes=1024**2, store=str(tmp_path))
     with TieredCache(LAYOUT, config) as cache:
-        assert cache.store({0: [(key(1), page(0, 1))], 1: [(key(1), page(1, 1))]})
+        assert store_pages(cache, {0: [(key(1), page(0, 1))], 1: [(key(1), page(1, 1))]})
         assert cache.pools.pool(1).refs_of(key(1)) == 1     # pinned until poll sees the write land
         cache.drain()
         assert cache.pools.pool(1).refs_of(key(1)) == 0
     with TieredCache(LAYOUT, config) as cache:
-        assert cache.locate(1, [key(1), key(2)]) == ["fs", None]
-        views = cache.acquire({0: [key(1)], 1: [key(1)]})
+        assert cache.lookup(1, [key(1), key(2)]) == ["fs", None]
+        load, views = load_now(cache, {0: [key(1)], 1: [key(1)]})
         assert np.array_equal(views[1][0], page(1, 1))
-        cache.release({0: [key(1)], 1: [key(1)]})
-        assert cache.locate(1, [key(1)]) == ["ram"]
+        cache.release(load)
+        assert cache.lookup(1, [key(1)]) == ["ram"]
         assert cache.stats()["tiers"]["fs"]["hits"] == 2
 
 
@@ -34,7 +34,7 @@ def test_wait_written_lands_held_writes_from_another_thread_without_touching_the
     config = CacheConfig(block_tokens=16, ram_bytes=8 * 1024**2, store=str(tmp_path))
     with TieredCache(LAYOUT, config) as cache:
         pages = {0: [(key(i), page(0, i)) for i in range(3)], 1: [(key(i), page(1, i)) for i in range(3)]}
-        assert cache.store(pages)
+        assert store_pages(cache, pages)
         landed = []
         waiter = threading.Thread(target=lambda: landed.append(cache.wait_written(10)))
         waiter.start()
@@ -55,41 +55,41 @@ def test_reserved_slots_filled_by_another_process_are_served_only_after_commit(t
     """The vLLM worker's path: reserve, fill the shared slot from another process, commit."""
     config = CacheConfig(block_tokens=16, ram_bytes=1024**2, store=str(tmp_path / "kv"))
     with TieredCache(LAYOUT, config) as cache:
-        plans = cache.reserve({1: [key(7)]})
+        plans = cache.prepare_store({1: [key(7)]})
         assert cache.pools.pool(1).lookup(key(7)).value == "hit_pending"
-        assert cache.acquire({1: [key(7)]}) is None            # never served half-written
+        assert cache.prepare_load({1: [key(7)]}) is None           # never served half-written
         region = cache.regions[1]
         attached = SharedRegion.attach(region.path, region.slots, region.page_bytes)
         attached.write(plans[1].slots[0], page(1, 7))
         attached.close()
-        cache.commit(plans)
-        again = cache.reserve({1: [key(7)]})
+        cache.complete_store(plans)
+        again = cache.prepare_store({1: [key(7)]})
         assert again is not None and not again[1].keys          # present now: nothing to reserve
-        views = cache.acquire({1: [key(7)]})
+        load, views = load_now(cache, {1: [key(7)]})
         assert np.array_equal(views[1][0], page(1, 7))
-        cache.release({1: [key(7)]})
+        cache.release(load)
         cache.drain()
     with TieredCache(LAYOUT, config) as cache:                   # written through to disk
-        assert cache.locate(1, [key(7)]) == ["fs"]
+        assert cache.lookup(1, [key(7)]) == ["fs"]
 
 
 def test_abandoned_reservation_leaves_no_page(tmp_path):
     config = CacheConfig(block_tokens=16, ram_bytes=1024**2)
     with TieredCache(LAYOUT, config) as cache:
-        plans = cache.reserve({0: [key(8)], 1: [key(8)]})
-        cache.commit(plans, ok=False)
-        assert cache.locate(0, [key(8)]) == [None] and cache.locate(1, [key(8)]) == [None]
-        assert cache.store({0: [(key(8), page(0, 8))], 1: [(key(8), page(1, 8))]})
+        plans = cache.prepare_store({0: [key(8)], 1: [key(8)]})
+        cache.complete_store(plans, ok=False)
+        assert cache.lookup(0, [key(8)]) == [None] and cache.lookup(1, [key(8)]) == [None]
+        assert store_pages(cache, {0: [(key(8), page(0, 8))], 1: [(key(8), page(1, 8))]})
 
 
 def test_corrupt_secondary_page_fails_acquire_and_is_not_served(tmp_path):
     config = CacheConfig(block_tokens=16, ram_bytes=1024**2, store=str(tmp_path))
     with TieredCache(LAYOUT, config) as cache:
-        cache.store({1: [(key(4), page(1, 4))]})
+        store_pages(cache, {1: [(key(4), page(1, 4))]})
     flip_payload_byte(tmp_path, 1, key(4))
     with TieredCache(LAYOUT, config) as cache:
-        assert cache.acquire({1: [key(4)]}) is None
-        assert cache.locate(1, [key(4)]) == [None]
+        assert load_now(cache, {1: [key(4)]}) == (None, None)
+        assert cache.lookup(1, [key(4)]) == [None]
         assert cache.pools.pool(1).lookup(key(4)).value == "miss"
 
 
@@ -104,16 +104,16 @@ def test_regions_are_removed_at_close(tmp_path):
 def test_promotion_never_evicts_resident_pages_of_the_same_request(tmp_path):
     config = CacheConfig(block_tokens=16, ram_bytes=1024**2, store=str(tmp_path), tail_states=0)
     with TieredCache(LAYOUT, config) as cache:
-        cache.store({0: [(key(i), page(0, i)) for i in range(3)]})
+        store_pages(cache, {0: [(key(i), page(0, i)) for i in range(3)]})
         cache.drain()
     small = LAYOUT.group(0).page_bytes * 3 + LAYOUT.group(1).page_bytes * 4
     with TieredCache(LAYOUT, config.replace(ram_bytes=small, reference_tokens=32)) as cache:
         assert cache.plan.token_slots == 3
-        cache.acquire({0: [key(0)]})                    # key 0 promoted, then released
-        cache.release({0: [key(0)]})
-        cache.store({0: [(key(7), page(0, 7)), (key(8), page(0, 8))]})   # RAM now full
+        load, _ = load_now(cache, {0: [key(0)]})        # key 0 promoted, then released
+        cache.release(load)
+        store_pages(cache, {0: [(key(7), page(0, 7)), (key(8), page(0, 8))]})   # RAM now full
         cache.drain()
-        views = cache.acquire({0: [key(0), key(1), key(2)]})
+        _, views = load_now(cache, {0: [key(0), key(1), key(2)]})
         assert views is not None
         for i in range(3):
             assert np.array_equal(views[0][i], page(0, i))
@@ -122,12 +122,12 @@ def test_promotion_never_evicts_resident_pages_of_the_same_request(tmp_path):
 def test_promotion_waits_for_write_through_pins_instead_of_missing(tmp_path):
     config = CacheConfig(block_tokens=16, ram_bytes=1024**2, store=str(tmp_path))
     with TieredCache(LAYOUT, config) as cache:
-        cache.store({0: [(key(i), page(0, i)) for i in range(3)]})
+        store_pages(cache, {0: [(key(i), page(0, i)) for i in range(3)]})
     small = LAYOUT.group(0).page_bytes * 3 + LAYOUT.group(1).page_bytes * 4
     with TieredCache(LAYOUT, config.replace(ram_bytes=small, reference_tokens=32)) as cache:
-        cache.store({0: [(key(i), page(0, i)) for i in (7, 8, 9)]})   # RAM full, pinned until written
+        store_pages(cache, {0: [(key(i), page(0, i)) for i in (7, 8, 9)]})   # RAM full, pinned until written
         assert all(cache.pools.pool(0).refs_of(key(i)) == 1 for i in (7, 8, 9))
-        views = cache.acquire({0: [key(0), key(1), key(2)]})
+        _, views = load_now(cache, {0: [key(0), key(1), key(2)]})
         assert views is not None
         assert all(np.array_equal(views[0][i], page(0, i)) for i in range(3))
 
@@ -138,19 +138,18 @@ def test_a_store_refused_for_want_of_ram_releases_the_held_write_through(tmp_pat
     config = CacheConfig(block_tokens=16, ram_bytes=small, reference_tokens=32, store=str(tmp_path),
                          tail_states=0)
     with TieredCache(LAYOUT, config) as cache:
-        assert cache.store({0: [(key(i), page(0, i)) for i in (1, 2, 3)]})
-        assert not cache.store({0: [(key(4), page(0, 4))]})     # every slot pinned by write-through
-        for w in cache._writes:                                 # the refusal flushed them
-            assert all(f.result(timeout=30) for f in w.futures)
+        assert store_pages(cache, {0: [(key(i), page(0, i)) for i in (1, 2, 3)]})
+        assert not store_pages(cache, {0: [(key(4), page(0, 4))]})     # every slot pinned by write-through
+        assert cache.wait_written(0.001)                        # the refusal flushed them
         cache.poll()
-        assert cache.store({0: [(key(4), page(0, 4))]})
+        assert store_pages(cache, {0: [(key(4), page(0, 4))]})
 
 
 def _stored_on_disk(tmp_path, config, n):
     """Pages 0..n-1 of both groups on disk, none in the RAM of the cache opened next."""
     with TieredCache(LAYOUT, config) as cache:
         for i in range(n):          # one at a time: RAM has few state slots
-            assert cache.store({g: [(key(i), page(g, i))] for g in (0, 1)})
+            assert store_pages(cache, {g: [(key(i), page(g, i))] for g in (0, 1)})
             cache.drain()
 
 
@@ -160,22 +159,22 @@ def test_a_started_promotion_is_shared_by_every_request_wanting_its_pages(tmp_pa
     config = CacheConfig(block_tokens=16, ram_bytes=1024**2, store=str(tmp_path))
     _stored_on_disk(tmp_path, config, 3)
     with TieredCache(LAYOUT, config) as cache:
-        cache.store({0: [(key(9), page(0, 9))]})
-        first = cache.start_acquire({0: [key(9), key(0), key(1)], 1: [key(1)]}, "a")
+        store_pages(cache, {0: [(key(9), page(0, 9))]})
+        first = cache.prepare_load({0: [key(9), key(0), key(1)], 1: [key(1)]}, "a")
         assert cache.pools.pool(0).lookup(key(0)).value == "hit_pending"   # not served half-read
         assert cache.pools.pool(0).refs_of(key(9)) == 2        # resident: pinned now (+ its write)
-        second = cache.start_acquire({0: [key(0), key(1), key(2)]}, "b")
+        second = cache.prepare_load({0: [key(0), key(1), key(2)]}, "b")
         assert second is not None and len(second.waiting) == 2      # joined + its own read
         assert cache.stats()["promotions_in_flight"] == 2
-        views = cache.finish_acquire(second)
+        views = cache.complete_load(second)
         assert all(np.array_equal(v, page(0, i)) for i, v in enumerate(views[0]))
         assert first.ready()
-        views = cache.finish_acquire(first)
+        views = cache.complete_load(first)
         assert np.array_equal(views[0][1], page(0, 0)) and np.array_equal(views[1][0], page(1, 1))
         assert cache.pools.pool(0).refs_of(key(0)) == 2          # pinned once for each request
         assert cache.counters["fs"].hits == 4                    # each page read once
-        cache.release_acquisition(first)
-        cache.release_acquisition(second)
+        cache.release(first)
+        cache.release(second)
         cache.drain()
         assert all(cache.pools.pool(0).refs_of(key(i)) == 0 for i in (0, 1, 2, 9))
         assert cache.stats()["promotions_in_flight"] == 0
@@ -186,15 +185,15 @@ def test_a_promotion_that_fails_fails_every_waiting_request_and_pins_nothing(tmp
     _stored_on_disk(tmp_path, config, 3)
     flip_payload_byte(tmp_path, 0, key(1))
     with TieredCache(LAYOUT, config) as cache:
-        cache.store({0: [(key(9), page(0, 9))]})
+        store_pages(cache, {0: [(key(9), page(0, 9))]})
         cache.drain()
-        first = cache.start_acquire({0: [key(9), key(0), key(1)]}, "a")
-        second = cache.start_acquire({0: [key(1)], 1: [key(2)]}, "b")
-        assert cache.finish_acquire(first) is None
-        assert cache.finish_acquire(second) is None
+        first = cache.prepare_load({0: [key(9), key(0), key(1)]}, "a")
+        second = cache.prepare_load({0: [key(1)], 1: [key(2)]}, "b")
+        assert cache.complete_load(first) is None
+        assert cache.complete_load(second) is None
         pool = cache.pools.pool(0)
         assert pool.refs_of(key(9)) == 0 and pool.refs_of(key(0)) == 0    # unpinned, still served
-        assert pool.lookup(key(1)).value == "miss" and cache.locate(0, [key(1)]) == [None]
+        assert pool.lookup(key(1)).value == "miss" and cache.lookup(0, [key(1)]) == [None]
         assert cache.pools.pool(1).refs_of(key(2)) == 0
         assert cache.request_finished("a") == 0 and cache.request_finished("b") == 0   # no leak
 
@@ -205,13 +204,13 @@ def test_a_promotion_lands_for_nobody_when_its_request_is_gone(tmp_path):
     _stored_on_disk(tmp_path, config, 2)
     with TieredCache(LAYOUT, config) as cache:
         cache.request_started("a")
-        acquisition = cache.start_acquire({0: [key(0), key(1)]}, "a")
-        cache.release_acquisition(acquisition)
+        acquisition = cache.prepare_load({0: [key(0), key(1)]}, "a")
+        cache.release(acquisition)
         assert cache.request_finished("a") == 0
         cache.drain()
-        assert cache.locate(0, [key(0), key(1)]) == ["ram", "ram"]
+        assert cache.lookup(0, [key(0), key(1)]) == ["ram", "ram"]
         assert cache.pools.pool(0).refs_of(key(0)) == 0
-        later = cache.start_acquire({0: [key(0)]}, "b")
+        later = cache.prepare_load({0: [key(0)]}, "b")
         assert not later.waiting and later.ready()
 
 
@@ -225,8 +224,8 @@ def test_a_read_that_raises_is_a_miss_not_an_exception(tmp_path, monkeypatch, ca
 
     monkeypatch.setattr(FilesystemTier, "read_run", broken)
     with TieredCache(LAYOUT, config) as cache:
-        acquisition = cache.start_acquire({0: [key(0), key(1)]}, "a")
-        assert cache.finish_acquire(acquisition) is None
+        acquisition = cache.prepare_load({0: [key(0), key(1)]}, "a")
+        assert cache.complete_load(acquisition) is None
         assert cache.pools.pool(0).lookup(key(0)).value == "miss"      # the slots are free again
         assert cache.stats()["promotions_in_flight"] == 0
     assert "2 reads into RAM raised" in caplog.text and "injected" in caplog.text
@@ -236,13 +235,13 @@ def test_pages_located_by_the_caller_are_read_from_there_and_a_stale_answer_cost
     config = CacheConfig(block_tokens=16, ram_bytes=1024**2, store=str(tmp_path))
     _stored_on_disk(tmp_path, config, 2)
     with TieredCache(LAYOUT, config) as cache:
-        where = cache.locate(0, [key(0), key(1), key(7)])
+        where = cache.lookup(0, [key(0), key(1), key(7)])
         assert where == ["fs", "fs", None]
         stale = {0: ["ram", "fs"]}                  # key 0 left RAM since: looked up again
-        views = cache.finish_acquire(cache.start_acquire({0: [key(0), key(1)]}, "a", stale))
+        views = cache.complete_load(cache.prepare_load({0: [key(0), key(1)]}, "a", stale))
         assert np.array_equal(views[0][0], page(0, 0)) and np.array_equal(views[0][1], page(0, 1))
-        wrong = cache.start_acquire({0: [key(7)]}, "b", {0: ["fs"]})      # not there after all
-        assert cache.finish_acquire(wrong) is None
+        wrong = cache.prepare_load({0: [key(7)]}, "b", {0: ["fs"]})      # not there after all
+        assert cache.complete_load(wrong) is None
         assert cache.pools.pool(0).lookup(key(7)).value == "miss"
         assert cache.request_finished("b") == 0
 
@@ -254,17 +253,17 @@ def test_prefetched_pages_are_read_once_waited_for_by_a_load_and_published_if_no
     config = CacheConfig(block_tokens=16, ram_bytes=1024**2, store=str(tmp_path))
     _stored_on_disk(tmp_path, config, 4)
     with TieredCache(LAYOUT, config) as cache:
-        cache.store({0: [(key(9), page(0, 9))]})
+        store_pages(cache, {0: [(key(9), page(0, 9))]})
         keys = [key(9), key(0), key(1), key(2), key(7)]
-        where = cache.locate(0, keys)
+        where = cache.lookup(0, keys)
         assert where == ["ram", "fs", "fs", "fs", None]
         assert cache.prefetch(0, keys, where) == 3
-        assert cache.prefetch(0, keys, cache.locate(0, keys)) == 0       # in flight: not again
-        acquisition = cache.start_acquire({0: [key(0), key(1)]}, "a")
+        assert cache.prefetch(0, keys, cache.lookup(0, keys)) == 0       # in flight: not again
+        acquisition = cache.prepare_load({0: [key(0), key(1)]}, "a")
         assert acquisition is not None and not acquisition.pinned   # it waits for the prefetch
-        views = cache.finish_acquire(acquisition)
+        views = cache.complete_load(acquisition)
         assert all(np.array_equal(v, page(0, i)) for i, v in enumerate(views[0]))
-        cache.release_acquisition(acquisition)
+        cache.release(acquisition)
         cache.drain()
         pool = cache.pools.pool(0)
         assert pool.lookup(key(2)).value == "hit" and pool.refs_of(key(2)) == 0
@@ -284,24 +283,24 @@ def test_reads_a_load_joined_stay_its_own_when_making_room_for_its_other_pages_d
     with TieredCache(LAYOUT, config) as cache:
         assert cache.plan.slots_per_group()[0] == 8
         for i in range(9):
-            assert cache.store({0: [(key(i), page(0, i))]})
+            assert store_pages(cache, {0: [(key(i), page(0, i))]})
             cache.drain()
     with TieredCache(LAYOUT, config) as cache:
-        assert cache.prefetch(0, [key(0), key(1)], cache.locate(0, [key(0), key(1)])) == 2
+        assert cache.prefetch(0, [key(0), key(1)], cache.lookup(0, [key(0), key(1)])) == 2
         for i in range(6):                   # RAM full: 2 being read, 6 held by their writes
-            assert cache.store({0: [(key(20 + i), page(0, 20 + i))]})
-        acquisition = cache.start_acquire({0: [key(i) for i in range(9)]}, "a")
+            assert store_pages(cache, {0: [(key(20 + i), page(0, 20 + i))]})
+        acquisition = cache.prepare_load({0: [key(i) for i in range(9)]}, "a")
         if acquisition is not None:          # it must then serve every page it promised
-            views = cache.finish_acquire(acquisition)
+            views = cache.complete_load(acquisition)
             assert views is not None and all(np.array_equal(v, page(0, i)) for i, v in enumerate(views[0]))
-            cache.release_acquisition(acquisition)
+            cache.release(acquisition)
         assert acquisition is None
         assert cache.request_finished("a") == 0
         cache.drain()
         assert all(cache.pools.pool(0).refs_of(key(i)) == 0 for i in (0, 1))
         # a prefetch short of room reads nothing and waits for no write: the load makes room
         for i in range(8):
-            assert cache.store({0: [(key(30 + i), page(0, 30 + i))]})
+            assert store_pages(cache, {0: [(key(30 + i), page(0, 30 + i))]})
         assert cache.prefetch(0, [key(2)], ["fs"]) == 0
         assert cache.stats()["pending_writes"] == 8 and cache.stats()["promotions_in_flight"] == 0
 
@@ -323,8 +322,8 @@ def test_arrivals_give_pinned_pages_at_once_then_each_read_as_it_lands_never_a_f
 
     monkeypatch.setattr(FilesystemTier, "read_run", held_back)
     with TieredCache(LAYOUT, config) as cache:
-        cache.store({0: [(key(9), page(0, 9))]})
-        acquisition = cache.start_acquire({0: [key(9), key(0), key(1), key(2), key(3)], 1: [key(1)]}, "a")
+        store_pages(cache, {0: [(key(9), page(0, 9))]})
+        acquisition = cache.prepare_load({0: [key(9), key(0), key(1), key(2), key(3)], 1: [key(1)]}, "a")
         arrivals = cache.arrivals(acquisition)
         assert next(arrivals)[:2] == (0, [0])            # resident: at once
         seen = {}
@@ -338,7 +337,7 @@ def test_arrivals_give_pinned_pages_at_once_then_each_read_as_it_lands_never_a_f
         assert (0, 4) not in seen                        # key 3 is corrupt
         assert np.array_equal(seen[(0, 3)], page(0, 2)) and np.array_equal(seen[(1, 0)], page(1, 1))
         assert all(np.array_equal(seen[(0, i + 1)], page(0, i)) for i in range(3))
-        assert cache.finish_acquire(acquisition) is None
+        assert cache.complete_load(acquisition) is None
         assert cache.request_finished("a") == 0
 
 
@@ -352,8 +351,8 @@ def test_a_write_that_raises_never_reaches_the_drain_that_waits_for_it(tmp_path,
 
     monkeypatch.setattr(FilesystemTier, "write_pack", broken)
     with TieredCache(LAYOUT, config) as cache:
-        assert cache.store({0: [(key(1), page(0, 1))], 1: [(key(1), page(1, 1))]})
+        assert store_pages(cache, {0: [(key(1), page(0, 1))], 1: [(key(1), page(1, 1))]})
         cache.drain()
         assert cache.pools.pool(1).refs_of(key(1)) == 0          # unpinned all the same
-        assert cache.locate(1, [key(1)]) == ["ram"]
+        assert cache.lookup(1, [key(1)]) == ["ram"]
     assert "2 background writes failed" in caplog.text and "injected" in caplog.text

@@ -6,11 +6,11 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 
-from hybridkv.cache import TieredCache
+from hybridkv.cache import TieredCache, store_pages
 from hybridkv.config import CacheConfig
-from hybridkv.connector import Connector, _StateLookup
+from hybridkv.connector import Connector, StateLookup
 
-from helpers.tier_worker import LAYOUT, flip_payload_byte, page
+from helpers.tier_worker import LAYOUT, flip_payload_byte, load_now, page
 
 B = LAYOUT.block_tokens
 
@@ -51,16 +51,16 @@ def test_refused_state_offer_stays_pending_and_is_retried(cache):
     conn = Connector(cache)
     holders = fill_states(cache, conn, (1, 2))
     pins = {1: [r.keys[1] for r in holders]}
-    cache.acquire(pins)                                     # both state slots pinned
+    held = cache.prepare_load(pins)                         # both state slots pinned
     req = conn.begin("r", tokens(2 * B + 1, 9))
     conn.offer_state(req, 2 * B, {1: page(1, 9)})
     assert list(req.pending) == [("state", 2 * B)] and req.stored["state"] == 0
     conn.step(req)
     assert list(req.pending) == [("state", 2 * B)]          # still pinned: still pending
-    cache.release(pins)
+    cache.release(held)
     conn.step(req)                                          # a later step succeeds
     assert not req.pending and req.stored["state"] == 1
-    views = cache.acquire({1: [req.keys[1]]})
+    _, views = load_now(cache, {1: [req.keys[1]]})
     assert np.array_equal(views[1][0], page(1, 9))
 
 
@@ -68,21 +68,21 @@ def test_reoffer_supersedes_the_pending_offer(cache):
     conn = Connector(cache)
     holders = fill_states(cache, conn, (1, 2))
     pins = {1: [r.keys[1] for r in holders]}
-    cache.acquire(pins)
+    held = cache.prepare_load(pins)
     req = conn.begin("r", tokens(2 * B + 1, 9))
     conn.offer_state(req, 2 * B, {1: page(1, 7)})
     conn.offer_state(req, 2 * B, {1: page(1, 8)})           # same boundary, newer source
     assert len(req.pending) == 1 and conn.stats["offers_pending"] == 1
-    cache.release(pins)
+    cache.release(held)
     conn.step(req)
     assert conn.stats["offers_pending"] == 0
-    assert np.array_equal(cache.acquire({1: [req.keys[1]]})[1][0], page(1, 8))
+    assert np.array_equal(load_now(cache, {1: [req.keys[1]]})[1][1][0], page(1, 8))
 
 
 def test_offers_pending_at_finish_are_dropped_with_a_warning(cache, caplog):
     conn = Connector(cache)
     holders = fill_states(cache, conn, (1, 2))
-    cache.acquire({1: [r.keys[1] for r in holders]})
+    cache.prepare_load({1: [r.keys[1] for r in holders]})
     req = conn.begin("r", tokens(2 * B + 1, 9))
     conn.offer_state(req, 2 * B, {1: page(1, 9)})
     assert conn.stats["offers_pending"] == 1
@@ -122,8 +122,8 @@ def test_misses_are_counted_per_tier(tmp_path):
     on_disk.close()
     with TieredCache(LAYOUT, config) as cache:
         assert cache.secondaries[0].wait_scanned(30)     # page files are indexed by the background scan
-        cache.store({0: [(b"r" * 16, page(0, 2))]})
-        assert cache.locate(0, [b"r" * 16, b"d" * 16, b"n" * 16]) == ["ram", "fs", None]
+        store_pages(cache, {0: [(b"r" * 16, page(0, 2))]})
+        assert cache.lookup(0, [b"r" * 16, b"d" * 16, b"n" * 16]) == ["ram", "fs", None]
         stats = cache.stats()
     assert stats["tiers"]["ram"]["misses"] == 2 and stats["tiers"]["fs"]["misses"] == 1
     assert 'hybridkv_tier_misses_total{tier="fs"} 1.0' in to_prometheus(stats)
@@ -158,7 +158,7 @@ def test_loaded_tokens_count_for_the_slowest_tier_of_their_pages(tmp_path, local
     ids = tokens(4 * B + 1, 11)
     with restarted(tmp_path, ids, 4, 4 * B) as (cache, conn):
         keys = conn.begin("keys", ids).keys
-        assert cache.store({0: [(keys[b], page(0, b)) for b in (0, 1)]})
+        assert store_pages(cache, {0: [(keys[b], page(0, b)) for b in (0, 1)]})
         req = conn.begin("r", ids, local_tokens=local_blocks * B)
         assert req.hit.tokens == 4 * B and conn.load(req) is not None
         assert req.sources == {"ram": 2 - local_blocks, "fs": 3}
@@ -192,7 +192,7 @@ def test_a_load_whose_read_fails_looks_again_and_serves_the_shorter_hit(tmp_path
     with TieredCache(LAYOUT, config) as cache:      # plus the state at 2B, in RAM
         conn = Connector(cache)
         keys = conn.begin("keys", ids).keys
-        assert cache.store({1: [(keys[1], page(1, 2))]})
+        assert store_pages(cache, {1: [(keys[1], page(1, 2))]})
     flip_payload_byte(tmp_path / "s", 0, keys[3])     # block 3's attention page is corrupt
     with TieredCache(LAYOUT, config) as cache:
         conn = Connector(cache)
@@ -214,7 +214,7 @@ def test_on_pages_sees_every_page_of_the_hit_load_serves_even_after_a_failed_rea
     with TieredCache(LAYOUT, config) as cache:
         conn = Connector(cache)
         keys = conn.begin("keys", ids).keys
-        assert cache.store({1: [(keys[1], page(1, 2))]})
+        assert store_pages(cache, {1: [(keys[1], page(1, 2))]})
     flip_payload_byte(tmp_path / "s", 0, keys[3])
     with TieredCache(LAYOUT, config) as cache:
         conn = Connector(cache)
@@ -240,9 +240,9 @@ def test_a_prefetching_begin_keys_and_hits_as_a_plain_one_and_reads_nothing_past
     with TieredCache(LAYOUT, config) as cache:
         keys = Connector(cache).begin("keys", ids).keys
         for b in [*range(20), *range(21, 40)]:      # one at a time: RAM holds ~200 pages
-            assert cache.store({0: [(keys[b], page(0, b))]})
+            assert store_pages(cache, {0: [(keys[b], page(0, b))]})
             cache.drain()
-        assert cache.store({1: [(keys[9], page(1, 10))]})
+        assert store_pages(cache, {1: [(keys[9], page(1, 10))]})
         cache.drain()
     with TieredCache(LAYOUT, config) as cache:
         conn = Connector(cache)
@@ -309,7 +309,7 @@ def _eager_hit(cache, conn, ids):
 
     keys = block_hashes(ids, B)
     cap = (len(ids) - 1) // B
-    where = {g.id: cache.locate(g.id, keys[:cap]) for g in conn.groups}
+    where = {g.id: cache.lookup(g.id, keys[:cap]) for g in conn.groups}
     return compute_hit(conn.groups, len(ids), B, lambda gid, b: where[gid][b] is not None)
 
 
@@ -339,7 +339,7 @@ def test_state_keys_reach_the_disk_only_when_ram_lacks_them(tmp_path):
         conn = Connector(cache)
         req = conn.begin("restart", ids)
         assert req.hit_tokens == 40 * B and req.where[1][39] == "fs"
-        assert fs.stats["disk_lookups"] < _StateLookup.FIRST_BATCH
+        assert fs.stats["disk_lookups"] < StateLookup.FIRST_BATCH
         assert np.array_equal(conn.load(req)[1][0], page(1, 40))
         conn.finish(req)
     fs.close()
@@ -364,7 +364,7 @@ def test_lazy_state_lookup_finds_the_hit_an_eager_one_finds(tmp_path, seed):
             for gid, odds in ((0, [0.45, 0.5, 0.05]), (1, [0.1, 0.2, 0.7])):
                 where = rng.choice(["ram", "fs", "none"], p=odds)
                 if where == "ram":                             # (written through to disk too)
-                    assert cache.store({gid: [(keys[b], page(gid, b))]})
+                    assert store_pages(cache, {gid: [(keys[b], page(gid, b))]})
                 elif where == "fs":
                     assert fs.write(gid, keys[b], page(gid, b))
         cache.poll()

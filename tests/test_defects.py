@@ -12,27 +12,12 @@ import redis
 import hybridkv
 from hybridkv.config import CacheConfig
 from hybridkv.engine.engine import Engine
-from hybridkv.ram.pool import EventKind, SlotPool
 from hybridkv.tiers import filesystem
 from hybridkv.tiers.filesystem import FilesystemTier, page_path
 from hybridkv.tiers.remote import RemoteTier, split_cluster_flag
 
 from helpers import TESTS
 from helpers.tier_worker import LAYOUT, key, page
-
-
-def test_pool_events_are_opt_in_and_drained():
-    pool = SlotPool(0, 8)
-    for i in range(2000):                       # far more stores than slots: evictions too
-        plan = pool.prepare_store([i])
-        pool.complete_store(plan.keys)
-    assert pool.events is None and pool.take_events() == []
-    recording = SlotPool(0, 2, record_events=True)
-    for i in range(3):
-        recording.complete_store(recording.prepare_store([i]).keys)
-    kinds = [e.kind for e in recording.take_events()]
-    assert kinds.count(EventKind.STORED) == 3 and EventKind.REMOVED in kinds
-    assert recording.take_events() == []        # drained
 
 
 def test_fs_read_error_is_a_miss_not_a_quarantine(tmp_path, monkeypatch):
@@ -77,7 +62,7 @@ def test_prefill_exception_releases_the_request(tmp_path, monkeypatch):
         monkeypatch.setattr(engine, "_prefill", out_of_memory)
         with pytest.raises(RuntimeError, match="out of memory"):
             engine.generate(prompt + [5], max_new_tokens=2)   # a hit is pinned, then prefill fails
-        assert engine.cache.pools._request_pins == {}
+        assert engine.cache.stats()["open_requests"] == 0
         for gid, pool in engine.cache.pools.pools.items():
             assert all(pool.refs_of(k) == 0 for k in pool.resident_keys()), gid
 

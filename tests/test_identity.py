@@ -36,14 +36,14 @@ def test_digests_are_remembered_and_invalidated_by_a_rewrite(tmp_path, monkeypat
     memo = json.loads((tmp_path / "xdg" / "hybridkv" / "file-digests.json").read_text())
     assert str((ckpt / "model.safetensors").resolve()) in memo
     hashed = []
-    real = identity._DigestMemo.digest
+    real = identity.DigestMemo.digest
 
     def counting(self, f):
         if self.get(f) is None:
             hashed.append(f.name)
         return real(self, f)
 
-    monkeypatch.setattr(identity._DigestMemo, "digest", counting)
+    monkeypatch.setattr(identity.DigestMemo, "digest", counting)
     assert checkpoint_revision(ckpt) == first and hashed == []            # all from the memo
     (ckpt / "model.safetensors").write_bytes(b"z" * 999)                  # new size and mtime
     assert checkpoint_revision(ckpt) != first and hashed == ["model.safetensors"]

@@ -1,10 +1,13 @@
-"""The cache a connector talks to: RAM pools over shared regions, then secondary tiers.
+"""The cache an engine talks to: RAM pools over shared regions, then secondary tiers.
 
-RAM is primary. A page stored here is copied into a RAM slot and written through to every
-secondary tier in the background (its slot stays pinned until then). A page found only in
-a secondary tier is promoted into RAM first and then served from there; an engine that can
-wait without blocking (vLLM) starts the promotion and collects it a step later
-(``start_acquire``/``finish_acquire``), one that cannot waits for it (``acquire``).
+RAM is primary. A stored page is copied into a RAM slot and written through to every
+secondary tier in the background (its slot stays pinned until then). A page only a secondary
+tier holds is promoted into RAM first and served from there (``promotion.py``).
+
+``PageCache`` is the whole contract an engine-side caller uses (the connector, the vLLM
+scheduler side, the reference engine, the simulator), in the shape of vLLM's offloading
+manager: look up, prepare/complete a load, prepare/complete a store, touch, poll, stats.
+``TieredCache`` implements it.
 """
 
 from __future__ import annotations
@@ -13,9 +16,10 @@ import logging
 import os
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -23,6 +27,7 @@ from hybridkv.config import CacheConfig
 from hybridkv.core.errors import HybridKVError
 from hybridkv.core.layout import Layout
 from hybridkv.core.planner import Plan, plan_pools
+from hybridkv.promotion import Load, Promotion, Promotions, TierCounters
 from hybridkv.ram.grouped_pools import GroupedPools
 from hybridkv.ram.policies import EvictionPolicy
 from hybridkv.ram.pool import Lookup, StorePlan
@@ -36,54 +41,68 @@ RAM = "ram"
 
 
 @dataclass
-class TierCounters:
-    hits: int = 0
-    misses: int = 0        # keys looked up in the tier and not found there
-    bytes_in: int = 0      # bytes stored into the tier
-    bytes_out: int = 0     # bytes served from the tier
-
-
-@dataclass
 class _WriteThrough:
     group: int
     key: bytes
     futures: list[Future] = field(default_factory=list)
 
 
-class Promotion:
-    """Pages being read from slower tiers into RAM slots reserved for them. The slots are
-    write-pending, so nothing serves or evicts them meanwhile; a request wanting one of the
-    pages waits on the promotion instead of reading it again. Settled once: each waiting
-    acquisition then gets the pages that arrived pinned for it."""
+class PageCache(Protocol):
+    """What an engine-side caller may use of the cache; pages are named by (group, key).
 
-    def __init__(self, jobs: list[tuple[int, bytes, SecondaryTier, Future]]):
-        self.jobs = jobs
-        self.waiters: list[Acquisition] = []
-        self.settled = False
-        self._batches = batches_of(future for *_, future in jobs)
+    A load: ``lookup`` where each page is, ``prepare_load`` pins the RAM pages and starts
+    reading the rest into RAM (a ``Load``, ``ready()`` once nothing is left to wait for),
+    ``arrivals`` yields pages as they land, ``complete_load`` waits and returns views (or
+    None: a page did not arrive, look again), ``release`` unpins. A store: ``prepare_store``
+    reserves slots in every group or none, the caller fills them (``write``, or a process
+    mapping ``regions``), ``complete_store`` publishes (or abandons) and writes through.
+    Pins taken for a request between ``request_started`` and ``request_finished`` are
+    released by the latter, whatever happened to the request."""
 
-    def done(self) -> bool:
-        return self.settled or all(batch.done() for batch in self._batches)
+    layout: Layout
+    config: CacheConfig
+    regions: Mapping[int, SharedRegion | PagelessRegion]   # a worker process maps them by path
+
+    @property
+    def tier_names(self) -> list[str]: ...
+    def request_started(self, request: str) -> None: ...
+    def request_finished(self, request: str) -> int: ...
+    def lookup(self, group: int, keys: Sequence[bytes], *, ram: bool = True,
+               below_ram: bool = True) -> list[str | None]: ...
+    def prefetch(self, group: int, keys: Sequence[bytes], where: Sequence[str | None]) -> int: ...
+    def prepare_load(self, wanted: Mapping[int, Sequence[bytes]], request: str | None = None,
+                     where: Mapping[int, Sequence[str | None]] | None = None) -> Load | None: ...
+    def arrivals(self, load: Load) -> Iterator[tuple[int, list[int], np.ndarray]]: ...
+    def complete_load(self, load: Load) -> dict[int, list[np.ndarray]] | None: ...
+    def release(self, load: Load) -> None: ...
+    def touch(self, wanted: Mapping[int, Sequence[bytes]]) -> None: ...
+    def prepare_store(self, keys: Mapping[int, Sequence[bytes]]) -> dict[int, StorePlan] | None: ...
+    def write(self, group: int, slot: int, page) -> None: ...
+    def complete_store(self, plans: Mapping[int, StorePlan], ok: bool = True) -> None: ...
+    def poll(self) -> int: ...
+    def drain(self) -> None: ...
+    def wait_written(self, timeout: float) -> bool: ...
+    def forget_ram(self) -> int: ...
+    def stats(self) -> dict: ...
+    def close(self) -> None: ...
 
 
-
-@dataclass(eq=False)
-class Acquisition:
-    """A request's pages: those pinned for it, and those it waits for from promotions."""
-
-    wanted: dict[int, list[bytes]]
-    request: str | None
-    pinned: dict[int, list[bytes]]
-    waiting: dict[Promotion, dict[int, list[bytes]]]
-    failed: bool = False          # a page it waited for did not arrive
-
-    def ready(self) -> bool:
-        """Would ``finish_acquire`` return without waiting?"""
-        return all(promotion.done() for promotion in self.waiting)
+def store_pages(cache: PageCache, pages: Mapping[int, Sequence[tuple[bytes, np.ndarray]]]) -> bool:
+    """Store pages the caller holds, in every group or none: reserve, copy, publish.
+    False: RAM has no room now (nothing changed; retry later)."""
+    plans = cache.prepare_store({gid: [key for key, _ in items] for gid, items in pages.items()})
+    if plans is None:
+        return False
+    for gid, plan in plans.items():
+        data = dict(pages[gid])
+        for key, slot in zip(plan.keys, plan.slots, strict=True):
+            cache.write(gid, slot, data[key])
+    cache.complete_store(plans)
+    return True
 
 
 class TieredCache:
-    """The one object a connector talks to: lookups, loads, stores, request lifetimes.
+    """``PageCache`` over RAM pools and the secondary tiers the config names.
 
     ``secondaries`` replaces the tiers the config names (tests, benchmarks); ``pin_hook`` runs
     on every RAM region at creation (the engine passes CUDA host registration on a GPU box);
@@ -105,14 +124,14 @@ class TieredCache:
         self.secondaries: list[SecondaryTier] = []
         self.counters: dict[str, TierCounters] = {RAM: TierCounters()}
         self._writes: list[_WriteThrough] = []
-        self._promotions: dict[tuple[int, bytes], Promotion] = {}    # pages in flight into RAM
+        self.promotions = Promotions(self.pools, self.regions, self.counters, self.secondaries)
         try:
             # the tiers first: a store's start-up scan then runs while RAM is allocated
             # (20 ms for 64 MiB), not while the first request waits for it
-            self.secondaries = list(secondaries) if secondaries is not None else open_tiers(layout, config)
+            self.secondaries += secondaries if secondaries is not None else open_tiers(layout, config)
             if pageless:
-                self.regions = {gid: PagelessRegion(slots, layout.group(gid).page_bytes)
-                                for gid, slots in self.plan.slots_per_group().items()}
+                self.regions.update({gid: PagelessRegion(slots, layout.group(gid).page_bytes)
+                                     for gid, slots in self.plan.slots_per_group().items()})
             else:
                 self._open_regions(pin_hook)
             for tier in self.secondaries:
@@ -125,7 +144,7 @@ class TieredCache:
 
     @property
     def tier_names(self) -> list[str]:
-        """RAM first, then the secondary tiers in lookup order (the values of ``locate``)."""
+        """RAM first, then the secondary tiers in lookup order (the values of ``lookup``)."""
         return list(self.counters)
 
     def _open_regions(self, pin_hook: PinHook | None) -> None:
@@ -149,8 +168,7 @@ class TieredCache:
         number that leaked."""
         for tier in self.secondaries:
             tier.flush()          # the request's pages are complete: no reason to hold them
-        for promotion in set(self._promotions.values()):   # nothing to pin for it any more
-            promotion.waiters = [a for a in promotion.waiters if a.request != request]
+        self.promotions.forget_request(request)     # nothing to pin for it any more
         return self.pools.request_finished(request)
 
     def touch(self, wanted: Mapping[int, Sequence[bytes]]) -> None:
@@ -158,23 +176,17 @@ class TieredCache:
         self.pools.touch(wanted)
 
     # -- where is a page? -------------------------------------------------------------------
-    def locate(self, group: int, keys: Sequence[bytes], secondary: bool = True) -> list[str | None]:
-        """Tier name holding each key (RAM first), or None. ``secondary=False`` asks RAM only,
-        for callers that consult the slower tiers about a few keys later (``locate_below_ram``)."""
-        pool = self.pools.pool(group)
-        where: list[str | None] = [RAM if pool.lookup(k) is Lookup.HIT else None for k in keys]
-        self.counters[RAM].misses += where.count(None)
-        if secondary:
-            missing = [i for i, w in enumerate(where) if w is None]
-            below = self.locate_below_ram(group, [keys[i] for i in missing])
-            for i, tier in zip(missing, below, strict=True):
-                where[i] = tier
-        return where
-
-    def locate_below_ram(self, group: int, keys: Sequence[bytes]) -> list[str | None]:
-        """The secondary tier holding each key (the fastest wins), one batch per tier."""
+    def lookup(self, group: int, keys: Sequence[bytes], *, ram: bool = True,
+               below_ram: bool = True) -> list[str | None]:
+        """The tier holding each key (RAM first, then the fastest secondary), or None.
+        ``below_ram=False`` asks RAM only and ``ram=False`` the secondary tiers only (one
+        batch each), for callers that consult the slower tiers about a few keys later."""
         where: list[str | None] = [None] * len(keys)
-        for tier in self.secondaries:
+        if ram:
+            pool = self.pools.pool(group)
+            where = [RAM if pool.lookup(k) is Lookup.HIT else None for k in keys]
+            self.counters[RAM].misses += where.count(None)
+        for tier in self.secondaries if below_ram else ():
             missing = [i for i, w in enumerate(where) if w is None]
             if not missing:
                 break
@@ -186,20 +198,13 @@ class TieredCache:
         return where
 
     # -- loads ------------------------------------------------------------------------------
-    def acquire(self, wanted: Mapping[int, Sequence[bytes]], request: str | None = None
-                ) -> dict[int, list[np.ndarray]] | None:
-        """Pin every wanted page in RAM (promoting from secondary tiers, waiting for the
-        reads) and return views. None when a page could not be brought into RAM (gone,
-        corrupt, or RAM refused): the caller recomputes its hit, which now sees it missing."""
-        acquisition = self.start_acquire(wanted, request)
-        return None if acquisition is None else self.finish_acquire(acquisition)
-
-    def start_acquire(self, wanted: Mapping[int, Sequence[bytes]], request: str | None = None,
-                      where: Mapping[int, Sequence[str | None]] | None = None) -> Acquisition | None:
+    def prepare_load(self, wanted: Mapping[int, Sequence[bytes]], request: str | None = None,
+                     where: Mapping[int, Sequence[str | None]] | None = None) -> Load | None:
         """Pin the wanted pages RAM holds and start reading the others into RAM; returns at
-        once. None (nothing pinned) when a page is gone, half-written, or RAM refused.
-        ``where`` is the tier of each wanted page as the caller just located it (``locate``):
-        pages it puts in a secondary tier are read from there without a second lookup.
+        once (``Load.ready`` says when ``complete_load`` will not wait). None (nothing
+        pinned) when a page is gone, half-written, or RAM refused: the caller looks again.
+        ``where`` is the tier of each wanted page as the caller just looked it up: pages it
+        puts in a secondary tier are read from there without a second lookup.
 
         Pages already in RAM are pinned first, so promoting the rest cannot evict them; a
         page another request is promoting is waited for, not read twice."""
@@ -217,92 +222,55 @@ class TieredCache:
                 elif state is Lookup.MISS:
                     missing.setdefault(gid, []).append(key)
                     sources[(gid, key)] = tier if tier != RAM else None
-                elif (gid, key) in self._promotions:
-                    joined.setdefault(self._promotions[(gid, key)], {}).setdefault(gid, []).append(key)
+                elif (promotion := self.promotions.of(gid, key)) is not None:
+                    joined.setdefault(promotion, {}).setdefault(gid, []).append(key)
                 else:                     # the engine is still writing it
                     return None
         self.pools.prepare_load(resident, request)
-        acquisition = Acquisition({gid: list(keys) for gid, keys in wanted.items()}, request,
-                                  resident, joined)
+        load = Load({gid: list(keys) for gid, keys in wanted.items()}, request, resident, joined)
         # wait on the joined reads before making room for the rest: that may drain, and a
         # drain settles them, pinning their pages for their waiters (else it publishes them
         # unpinned, and making room could evict them)
         for promotion in joined:
-            promotion.waiters.append(acquisition)
+            promotion.waiters.append(load)
         if missing:
-            promotion = self._start_promotion(missing, sources)
+            promotion = self._promote(missing, sources)
             if promotion is None:
-                self.release_acquisition(acquisition)
+                self.release(load)
                 return None
-            acquisition.waiting[promotion] = missing
-            promotion.waiters.append(acquisition)
+            load.waiting[promotion] = missing
+            promotion.waiters.append(load)
+        load.slots = {gid: [self.pools.pool(gid).slot_of(k) for k in keys] for gid, keys in load.wanted.items()}
         self.counters[RAM].hits += sum(len(k) for k in resident.values())
-        return acquisition
+        return load
 
-    def finish_acquire(self, acquisition: Acquisition) -> dict[int, list[np.ndarray]] | None:
-        """Wait for the acquisition's promotions and return views of its pages, all pinned;
-        None when one did not arrive (its pins are then released)."""
-        for promotion in list(acquisition.waiting):
-            self._settle(promotion)
-        if acquisition.failed:
-            self.release_acquisition(acquisition)
+    def arrivals(self, load: Load) -> Iterator[tuple[int, list[int], np.ndarray]]:
+        """The load's pages as they reach RAM (see ``Promotions.arrivals``)."""
+        return self.promotions.arrivals(load)
+
+    def complete_load(self, load: Load) -> dict[int, list[np.ndarray]] | None:
+        """Wait for the load's promotions and return views of its pages, all pinned until
+        ``release``; None when one did not arrive (its pins are then released)."""
+        for promotion in list(load.waiting):
+            self.promotions.settle(promotion)
+        if load.failed:
+            self.release(load)
             return None
         views = {}
-        for gid, keys in acquisition.wanted.items():
-            region, pool = self.regions[gid], self.pools.pool(gid)
-            views[gid] = [region.page(pool.slot_of(k)) for k in keys]
-            self.counters[RAM].bytes_out += len(keys) * region.page_bytes
+        for gid, slots in load.slots.items():
+            region = self.regions[gid]
+            views[gid] = [region.page(slot) for slot in slots]
+            self.counters[RAM].bytes_out += len(slots) * region.page_bytes
         return views
 
-    def arrivals(self, acquisition: Acquisition) -> Iterator[tuple[int, list[int], np.ndarray]]:
-        """The acquisition's pages as they reach RAM: (group, positions in ``wanted[group]``,
-        a view of their slots, one page a row), the pinned pages at once, then each batch of
-        promoted pages as its read lands, so an engine copies pages while later ones are
-        still being read. Each view covers adjacent slots holding adjacent positions, so an
-        engine copies a run of pages in one call (one release of the GIL, not one a page:
-        beside the I/O threads, a copy that released it per page ran 2x slower). A page
-        whose read failed is not yielded; ``finish_acquire`` then fails the load. The views
-        stay valid until the acquisition is released."""
-        position = {gid: {key: i for i, key in enumerate(keys)} for gid, keys in acquisition.wanted.items()}
-
-        def views(pages: Mapping[int, Sequence[bytes]]):
-            for gid, keys in pages.items():
-                region, pool = self.regions[gid], self.pools.pool(gid)
-                at = [position[gid][k] for k in keys]
-                slots = [pool.slot_of(k) for k in keys]
-                start = 0
-                for end in range(1, len(keys) + 1):
-                    if end == len(keys) or slots[end] != slots[end - 1] + 1 or at[end] != at[end - 1] + 1:
-                        yield gid, at[start:end], region.pages(slots[start], end - start)
-                        start = end
-
-        pending: dict[Future, list[tuple[int, bytes, Future]]] = {}   # batch read -> its pages
-        for promotion, pages in list(acquisition.waiting.items()):
-            waited = {(gid, key) for gid, keys in pages.items() for key in keys}
-            for gid, key, _, future in promotion.jobs:
-                if (gid, key) in waited:
-                    pending.setdefault(getattr(future, "batch", future), []).append((gid, key, future))
-        yield from views({gid: list(keys) for gid, keys in acquisition.pinned.items()})
-        while pending:
-            for batch in wait(pending, return_when=FIRST_COMPLETED).done:
-                landed: dict[int, list[bytes]] = {}
-                pages = pending.pop(batch)
-                for (gid, key, _), (success, _) in zip(pages, outcomes([f for *_, f in pages]), strict=True):
-                    if success:
-                        landed.setdefault(gid, []).append(key)
-                yield from views(landed)
-
-    def release_acquisition(self, acquisition: Acquisition) -> None:
-        """Unpin what the acquisition holds and stop waiting for the rest (finished,
-        aborted or failed, in any state)."""
-        for promotion in acquisition.waiting:
-            promotion.waiters = [a for a in promotion.waiters if a is not acquisition]
-        acquisition.waiting = {}
-        self.pools.complete_load(acquisition.pinned, acquisition.request)
-        acquisition.pinned = {}
-
-    def release(self, wanted: Mapping[int, Sequence[bytes]], request: str | None = None) -> None:
-        self.pools.complete_load(wanted, request)
+    def release(self, load: Load) -> None:
+        """Unpin what the load holds and stop waiting for the rest (finished, aborted or
+        failed, in any state)."""
+        for promotion in load.waiting:
+            promotion.waiters = [other for other in promotion.waiters if other is not load]
+        load.waiting = {}
+        self.pools.complete_load(load.pinned, load.request)
+        load.pinned = {}
 
     def prefetch(self, group: int, keys: Sequence[bytes], where: Sequence[str | None]) -> int:
         """Start reading into RAM the pages ``where`` puts in a secondary tier and RAM lacks,
@@ -313,18 +281,18 @@ class TieredCache:
         missing = [key for key, tier in zip(keys, where, strict=True)
                    if tier is not None and tier != RAM and pool.lookup(key) is Lookup.MISS]
         sources = {(group, key): tier for key, tier in zip(keys, where, strict=True)}
-        if not missing or self._start_promotion({group: missing}, sources, drain=False) is None:
+        if not missing or self._promote({group: missing}, sources, drain=False) is None:
             return 0            # no room now: the load makes room (it may wait for writes)
         return len(missing)
 
-    def _start_promotion(self, missing: Mapping[int, Sequence[bytes]],
-                         sources: dict[tuple[int, bytes], str | None], drain: bool = True) -> Promotion | None:
+    def _promote(self, missing: Mapping[int, Sequence[bytes]],
+                 sources: dict[tuple[int, bytes], str | None], drain: bool = True) -> Promotion | None:
         """Reserve RAM slots for pages only secondary tiers hold and start reading each from
         the tier ``sources`` names, or else the first tier holding it. Short of room,
         ``drain`` waits for the write-throughs that pin slots and tries again."""
         for gid, keys in missing.items():
             unknown = [key for key in keys if sources[(gid, key)] is None]
-            for key, tier in zip(unknown, self.locate_below_ram(gid, unknown), strict=True):
+            for key, tier in zip(unknown, self.lookup(gid, unknown, ram=False), strict=True):
                 if tier is None:
                     return None
                 sources[(gid, key)] = tier
@@ -334,81 +302,14 @@ class TieredCache:
             # them is bounded and far cheaper than recomputing the prefix.
             self.drain()
             plans = self.pools.prepare_store(missing)
-        if plans is None:
-            return None
-        by_tier: dict[str, list] = {}
-        for gid, plan in plans.items():
-            for key, slot in zip(plan.keys, plan.slots, strict=True):
-                by_tier.setdefault(sources[(gid, key)], []).append((gid, key, self.regions[gid].page(slot)))
-        jobs = []
-        for tier in self.secondaries:
-            items = by_tier.get(tier.name, [])
-            for (gid, key, _), future in zip(items, tier.submit_reads(items), strict=True):
-                jobs.append((gid, key, tier, future))
-        promotion = Promotion(jobs)
-        for gid, key, _, _ in jobs:
-            self._promotions[(gid, key)] = promotion
-        return promotion
-
-    def _settle(self, promotion: Promotion) -> None:
-        """Wait for a promotion's reads, publish the pages that arrived, pin them for every
-        acquisition waiting on them and mark those missing a page as failed."""
-        if promotion.settled:
-            return
-        promotion.settled = True
-        outcome: dict[bool, dict[int, list[bytes]]] = {True: {}, False: {}}
-        lost = set()
-        errors = []
-        for (gid, key, tier, _), (success, error) in zip(
-                promotion.jobs, outcomes([future for *_, future in promotion.jobs]), strict=True):
-            if error is not None:
-                errors.append(error)
-            outcome[success].setdefault(gid, []).append(key)
-            del self._promotions[(gid, key)]
-            if success:
-                counters = self.counters[tier.name]
-                counters.hits += 1
-                counters.bytes_out += self.layout.group(gid).page_bytes
-            else:
-                lost.add((gid, key))
-        if errors:
-            log.warning("%d reads into RAM raised (first: %r); those pages are misses", len(errors), errors[0])
-        for success, keys in outcome.items():
-            self.pools.complete_store(keys, success)
-        for acquisition in promotion.waiters:
-            arrived = {}
-            for gid, keys in acquisition.waiting.pop(promotion).items():
-                arrived[gid] = [k for k in keys if (gid, k) not in lost]
-                acquisition.failed |= len(arrived[gid]) < len(keys)
-            self.pools.prepare_load(arrived, acquisition.request)
-            for gid, keys in arrived.items():
-                acquisition.pinned.setdefault(gid, []).extend(keys)
-        promotion.waiters = []
+        return None if plans is None else self.promotions.start(plans, sources)
 
     # -- stores -----------------------------------------------------------------------------
-    def store(self, pages: Mapping[int, Sequence[tuple[bytes, np.ndarray]]]) -> bool:
-        """Copy new pages into RAM atomically across groups; False = retry later.
-
-        Keys already present or in flight are skipped. Completed pages are written through
-        to every secondary tier in the background.
-        """
-        plans = self.reserve({gid: [k for k, _ in items] for gid, items in pages.items() if items})
-        if plans is None:
-            return False
-        for gid, plan in plans.items():
-            data = dict(pages[gid])
-            region = self.regions[gid]
-            for key, slot in zip(plan.keys, plan.slots, strict=True):
-                region.write(slot, data[key])
-        self.commit(plans)
-        return True
-
-    def reserve(self, keys: Mapping[int, Sequence[bytes]]) -> dict[int, StorePlan] | None:
-        """Claim RAM slots for the absent keys, atomically across groups (None = retry later).
-
-        For engines that fill the slots themselves (a worker process writing into the shared
-        region); every reservation must end in ``commit``.
-        """
+    def prepare_store(self, keys: Mapping[int, Sequence[bytes]]) -> dict[int, StorePlan] | None:
+        """Claim RAM slots for the absent keys, atomically across groups (None: no room now,
+        nothing changed; retry later). Keys already present or in flight are skipped. The
+        caller fills the slots (``write``, or a worker process through the shared region)
+        and ends every reservation with ``complete_store``."""
         keys = {gid: list(ks) for gid, ks in keys.items() if ks}
         if not keys:
             return {}
@@ -418,8 +319,13 @@ class TieredCache:
                 tier.flush()
         return plans
 
-    def commit(self, plans: Mapping[int, StorePlan], ok: bool = True) -> None:
-        """The reserved slots are filled (ok) or abandoned; filled pages are written through."""
+    def write(self, group: int, slot: int, page) -> None:
+        """Copy one page into a slot ``prepare_store`` reserved."""
+        self.regions[group].write(slot, page)
+
+    def complete_store(self, plans: Mapping[int, StorePlan], ok: bool = True) -> None:
+        """The reserved slots are filled (ok: published, then written through to every
+        secondary tier in the background, pinned until written) or abandoned (freed)."""
         done = {gid: plan.keys for gid, plan in plans.items() if plan.keys}
         if not ok:
             self.pools.complete_store(done, False)
@@ -442,16 +348,10 @@ class TieredCache:
             self.counters[tier.name].bytes_in += sum(page.nbytes for _, _, page in items)
         self._writes.extend(jobs)
 
-    def slot(self, group: int, key: bytes) -> int:
-        """RAM slot of a resident page (pinned by ``acquire``), for engines that copy it."""
-        return self.pools.pool(group).slot_of(key)
-
     def poll(self) -> int:
         """End-of-step: publish promotions whose reads finished (their pages are pinned for
         whoever waits), unpin pages whose write-through finished; returns how many of those."""
-        for promotion in set(self._promotions.values()):    # one entry per page: ask each once
-            if promotion.done():
-                self._settle(promotion)
+        self.promotions.settle_finished()
         done, waiting = [], []
         for w in self._writes:
             (done if all(f.done() for f in w.futures) else waiting).append(w)
@@ -464,8 +364,7 @@ class TieredCache:
         """Wait for every promotion and write-through (clean shutdown, or before another
         process reads). It runs inside engines' lookups when RAM is short, so a write job
         that failed is logged, never raised: the page is only not stored below RAM."""
-        for promotion in set(self._promotions.values()):
-            self._settle(promotion)
+        self.promotions.settle_all()
         for tier in self.secondaries:
             tier.flush()
         futures = [f for w in self._writes for f in w.futures]
@@ -492,6 +391,9 @@ class TieredCache:
 
     # -- lifecycle --------------------------------------------------------------------------
     def stats(self) -> dict:
+        """Per group (kind, slots, use), per tier (RAM first: hits, misses, bytes in and out,
+        the tier's own counters), the write-throughs and promotions in flight, the requests
+        started and not finished."""
         groups = {}
         for gid, s in self.pools.stats().items():
             groups[gid] = {"kind": self.layout.group(gid).kind, **s}
@@ -499,7 +401,8 @@ class TieredCache:
         for tier in self.secondaries:
             tiers[tier.name].update(tier.stats)
         return {"groups": groups, "tiers": tiers, "pending_writes": len(self._writes),
-                "promotions_in_flight": len(set(self._promotions.values()))}
+                "promotions_in_flight": len(self.promotions.in_flight()),
+                "open_requests": self.pools.open_requests()}
 
     def close(self) -> None:
         try:
@@ -510,8 +413,8 @@ class TieredCache:
                 tier.close()
             for region in self.regions.values():
                 region.close()
-            self.regions = {}
-            self.secondaries = []
+            self.regions.clear()
+            self.secondaries.clear()
 
     def __enter__(self) -> TieredCache:
         return self

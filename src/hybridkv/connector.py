@@ -19,10 +19,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from hybridkv.cache import Acquisition, TieredCache
+from hybridkv.cache import PageCache, store_pages
 from hybridkv.core.keys import block_hashes
 from hybridkv.core.layout import GroupKind, Layout
 from hybridkv.core.retention import Hit, Retention, compute_hit
+from hybridkv.promotion import Load
 
 log = logging.getLogger(__name__)
 Pages = Mapping[int, np.ndarray]      # group id -> one page (uint8)
@@ -53,7 +54,7 @@ class RequestState:
     pending: dict[Offer, dict] = field(default_factory=dict)
     max_stored_tokens: int | None = None
     local_blocks: int = 0      # leading blocks the engine already holds itself
-    loaded: Acquisition | None = None     # the hit's pages, pinned (or some still promoting)
+    loaded: Load | None = None     # the hit's pages, pinned (or some still promoting)
     where: dict[int, list[str | None]] = field(default_factory=dict)   # tier per (group, block)
 
     @property
@@ -65,7 +66,7 @@ class RequestState:
         return self.hit.junction
 
 
-class _StateLookup:
+class StateLookup:
     """States exist only at the boundaries some request kept, and the hit rule walks down from
     its candidate until it finds one, so the slower tiers are asked about a state key only
     when RAM lacks it and the rule reaches it: in batches ending at the asked block, doubling
@@ -73,7 +74,7 @@ class _StateLookup:
 
     FIRST_BATCH = 4
 
-    def __init__(self, cache: TieredCache, gid: int, keys: list[bytes], where: list[str | None]):
+    def __init__(self, cache: PageCache, gid: int, keys: list[bytes], where: list[str | None]):
         self.cache, self.gid, self.keys, self.where = cache, gid, keys, where
         self.asked = [w is not None for w in where]      # RAM already answered these
         self.batch = self.FIRST_BATCH
@@ -82,7 +83,7 @@ class _StateLookup:
         if not self.asked[block]:
             lo = max(0, block - self.batch + 1)
             todo = [b for b in range(lo, block + 1) if not self.asked[b]]
-            for b, tier in zip(todo, self.cache.locate_below_ram(self.gid, [self.keys[b] for b in todo]),
+            for b, tier in zip(todo, self.cache.lookup(self.gid, [self.keys[b] for b in todo], ram=False),
                                strict=True):
                 self.where[b], self.asked[b] = tier, True
             self.batch *= 2
@@ -92,7 +93,7 @@ class _StateLookup:
 class Connector:
     MAX_LOAD_ATTEMPTS = 3
 
-    def __init__(self, cache: TieredCache, retention: Retention | None = None):
+    def __init__(self, cache: PageCache, retention: Retention | None = None):
         self.cache = cache
         self.layout: Layout = cache.layout
         self.B = self.layout.block_tokens
@@ -150,7 +151,7 @@ class Connector:
                                      after=req.keys[-1] if req.keys else None)
             lo, hi = max(first, local), min(last, cap)
             if lo < hi:
-                found = {gid: self.cache.locate(gid, req.keys[lo:hi]) for gid in self.token_groups}
+                found = {gid: self.cache.lookup(gid, req.keys[lo:hi]) for gid in self.token_groups}
                 for tiers in found.values():
                     if None in tiers:
                         stored = min(stored, lo + tiers.index(None))
@@ -173,9 +174,9 @@ class Connector:
             if located and g.id in located:     # token groups ``begin`` looked up already
                 where[g.id] = located[g.id]
                 continue
-            where[g.id] = [None] * skip + self.cache.locate(g.id, req.keys[skip:cap], secondary=not state)
+            where[g.id] = [None] * skip + self.cache.lookup(g.id, req.keys[skip:cap], below_ram=not state)
             if state:
-                lazy[g.id] = _StateLookup(self.cache, g.id, req.keys, where[g.id])
+                lazy[g.id] = StateLookup(self.cache, g.id, req.keys, where[g.id])
         req.where = where
         token_groups = set(self.token_groups)
 
@@ -228,9 +229,9 @@ class Connector:
         req.hit = Hit(0, req.hit.attention_tokens, req.hit.junction)
         return None
 
-    def start_load(self, req: RequestState) -> Acquisition | None:
+    def start_load(self, req: RequestState) -> Load | None:
         """``load`` without the wait: pins what RAM holds and starts reading the rest, then
-        returns (``Acquisition.ready`` says when ``finish_load`` will not block). Shrinks
+        returns (``Load.ready`` says when ``finish_load`` will not block). Shrinks
         the hit if a page vanished before its read started; None when nothing is left."""
         for _ in range(self.MAX_LOAD_ATTEMPTS):
             if req.hit.tokens == 0:
@@ -238,7 +239,7 @@ class Connector:
             blocks = self.hit_blocks(req)
             wanted = {gid: [req.keys[b] for b in bs] for gid, bs in blocks.items()}
             where = {gid: [req.where[gid][b] for b in bs] for gid, bs in blocks.items()}
-            req.loaded = self.cache.start_acquire(wanted, req.request_id, where)
+            req.loaded = self.cache.prepare_load(wanted, req.request_id, where)
             if req.loaded is not None:
                 req.sources, req.token_sources = self._sources(req, blocks)
                 return req.loaded
@@ -249,7 +250,7 @@ class Connector:
     def finish_load(self, req: RequestState) -> dict[int, list[np.ndarray]] | None:
         """Views of the started load's pages once all are in RAM; None (nothing pinned any
         more) when a page did not read back: the engine recomputes instead."""
-        views = self.cache.finish_acquire(req.loaded)
+        views = self.cache.complete_load(req.loaded)
         if views is None:
             req.loaded = None
         return views
@@ -278,7 +279,7 @@ class Connector:
         """Unpin loaded pages and refresh recency so the prefix outlives its tail."""
         if req.loaded is None:
             return
-        self.cache.release_acquisition(req.loaded)
+        self.cache.release(req.loaded)
         self.cache.touch(req.loaded.wanted)
         self.stats["hit_tokens"] += req.hit.tokens
         req.loaded = None
@@ -315,7 +316,7 @@ class Connector:
 
     def _try_store(self, req: RequestState, offer: Offer) -> bool:
         pages = req.pending[offer]
-        if not self.cache.store(pages):
+        if not store_pages(self.cache, pages):
             return False
         del req.pending[offer]
         self.stats["offers_pending"] -= 1

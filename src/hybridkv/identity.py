@@ -51,7 +51,7 @@ def checkpoint_revision(path: str | Path, extra_files: tuple[str, ...] = ()) -> 
     if commit:
         return commit
     files = identity_files(path, extra_files)
-    memo = _DigestMemo.load()
+    memo = DigestMemo.load()
     to_hash = sum(f.stat().st_size for f in files if memo.get(f) is None)
     if to_hash > 1024**3:
         log.warning("hashing %.1f GB of weights in %s once, to name its cache namespace",
@@ -78,14 +78,14 @@ def software_versions(*modules: str) -> str:
     return ", ".join(parts)
 
 
-class _DigestMemo:
+class DigestMemo:
     """Per-file sha256 remembered across runs; a missing or unwritable memo only costs time."""
 
     def __init__(self, path: Path | None, entries: dict):
         self.path, self.entries, self.changed = path, entries, False
 
     @classmethod
-    def load(cls) -> _DigestMemo:
+    def load(cls) -> DigestMemo:
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         path = Path(base) / "hybridkv" / "file-digests.json"
         try:

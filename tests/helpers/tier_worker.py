@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from hybridkv.cache import TieredCache
+from hybridkv.cache import TieredCache, store_pages
 from hybridkv.config import CacheConfig
 from hybridkv.core.layout import layout_from_dict
 from hybridkv.ram.regions import SharedRegion
@@ -30,6 +30,14 @@ def page(group: int, i: int) -> np.ndarray:
 
 def key(i: int) -> bytes:
     return i.to_bytes(16, "big")
+
+
+def load_now(cache, wanted, request=None):
+    """Pin ``wanted`` now, waiting for promotions: (the load, views of its pages), or
+    (None, None) when a page could not be brought into RAM."""
+    load = cache.prepare_load(wanted, request)
+    views = None if load is None else cache.complete_load(load)
+    return (load, views) if views is not None else (None, None)
 
 
 def flip_payload_byte(store, group: int, key: bytes, layout=LAYOUT) -> None:
@@ -103,19 +111,19 @@ def main() -> None:
         if cmd == "write":
             storm = "--storm" in sys.argv
             for i in range(n if not storm else 10**9):
-                cache.store({0: [(key(i), page(0, i))], 1: [(key(i), page(1, i))]})
+                store_pages(cache, {0: [(key(i), page(0, i))], 1: [(key(i), page(1, i))]})
                 cache.poll()
                 if storm and i == 50:
                     print("storming", flush=True)
         else:
             ok = 0
             for i in range(n):
-                views = cache.acquire({0: [key(i)], 1: [key(i)]})
+                load, views = load_now(cache, {0: [key(i)], 1: [key(i)]})
                 if views is None:
                     continue
                 assert np.array_equal(views[0][0], page(0, i)), i
                 assert np.array_equal(views[1][0], page(1, i)), i
-                cache.release({0: [key(i)], 1: [key(i)]})
+                cache.release(load)
                 ok += 1
             print(f"restored {ok}")
 

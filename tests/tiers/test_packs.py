@@ -324,7 +324,7 @@ def test_lookups_never_wait_for_the_pack_tables_an_engine_waits_once_at_start_up
     held.close()
     config = CacheConfig(block_tokens=16, ram_bytes=1024**2, store=str(tmp_path))
     with TieredCache(LAYOUT, config) as cache:          # an engine's cache: ready when it returns
-        assert cache.locate(0, [key(2)]) == ["fs"]
+        assert cache.lookup(0, [key(2)]) == ["fs"]
 
 
 def test_keys_of_mixed_lengths_and_trailing_zero_bytes_survive_a_restart(tmp_path):

@@ -93,18 +93,22 @@ def test_both_probes_find_the_same_slots_past_removed_slots_and_for_misses(monke
     table.put(fps, np.arange(20_000, dtype=np.int64), replace=True)
     table.remove(fps[::3], np.arange(0, 20_000, 3, dtype=np.int64))
     asked = np.concatenate([fps, fingerprints([(i + 1 << 64).to_bytes(16, "little") for i in range(500)])])
-    compiled = table._probe(asked)
+    compiled = table.find(asked)
     monkeypatch.setattr(page_index, "compiled_probe", None)
-    assert table._probe(asked).tolist() == compiled.tolist()
+    assert table.find(asked).tolist() == compiled.tolist()
     assert (compiled[::3][:6667] == -1).all() and (compiled[20_000:] == -1).all()
-    assert (table._loc[compiled[1:20_000:3]] == np.arange(1, 20_000, 3)).all()
+    assert (compiled[1:20_000:3] == np.arange(1, 20_000, 3)).all()
 
 
 def test_the_compiled_probe_refuses_arrays_that_do_not_fit_the_table():
     probe = compiled_probe()
-    table = PageTable(16)
+    bits = 4                                       # a table of 16 empty slots
+    hi, lo, loc = np.zeros(16, np.uint64), np.zeros(16, np.uint64), np.full(16, -1, np.int64)
     fps = fingerprints([b"a" * 16])
+    found = np.empty(1, np.int64)
+    probe(hi, lo, loc, fps, found, bits)
+    assert found.tolist() == [-1]
     with pytest.raises(ValueError, match="2\\*\\*bits slots"):
-        probe(table._hi, table._lo, table._loc, fps, np.empty(1, np.int64), table._bits + 1)
+        probe(hi, lo, loc, fps, found, bits + 1)
     with pytest.raises(ValueError, match="one per fingerprint"):
-        probe(table._hi, table._lo, table._loc, fps, np.empty(2, np.int64), table._bits)
+        probe(hi, lo, loc, fps, np.empty(2, np.int64), bits)

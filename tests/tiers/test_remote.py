@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import redis
 
-from hybridkv.cache import TieredCache
+from hybridkv.cache import TieredCache, store_pages
 from hybridkv.config import CacheConfig
 from hybridkv.core.layout import layout_from_dict
 from hybridkv.engine.engine import Engine
@@ -15,7 +15,7 @@ from hybridkv.tiers.remote import RemoteTier, masked
 
 from helpers.cli import assert_one_line_error, cli, run_cli
 from helpers.redis_server import RedisServer, free_port
-from helpers.tier_worker import LAYOUT, key, page
+from helpers.tier_worker import LAYOUT, key, load_now, page
 
 B = 64
 
@@ -165,11 +165,11 @@ def test_server_killed_mid_run_then_back(tmp_path):
 def test_tiering_order_ram_fs_remote(redis_url, tmp_path):
     cfg = CacheConfig(block_tokens=16, ram_bytes="1MiB", store=str(tmp_path), remote=redis_url)
     with TieredCache(LAYOUT, cfg) as cache:
-        cache.store({1: [(key(5), page(1, 5))]})
+        store_pages(cache, {1: [(key(5), page(1, 5))]})
     assert [t.name for t in TieredCache(LAYOUT, cfg.replace(store=None)).secondaries] == ["remote"]
     with TieredCache(LAYOUT, cfg.replace(store=str(tmp_path / "empty"))) as cache:
-        assert cache.locate(1, [key(5)]) == ["remote"]
-        views = cache.acquire({1: [key(5)]})
+        assert cache.lookup(1, [key(5)]) == ["remote"]
+        _, views = load_now(cache, {1: [key(5)]})
         assert np.array_equal(views[1][0], page(1, 5))
 
 

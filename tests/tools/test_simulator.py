@@ -43,9 +43,9 @@ def _system_prompt_expectation(dense: bool) -> int:
 
 
 def _systems():
-    from hybridkv.tools.workloads import _Tokens
+    from hybridkv.tools.workloads import TokenSource
 
-    t = _Tokens(1)
+    t = TokenSource(1)
     return [t(3000, 6000) for _ in range(3)]
 
 

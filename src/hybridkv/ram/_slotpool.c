@@ -60,12 +60,11 @@ typedef struct {
     Py_ssize_t resident, size1, size2;  /* size1/size2: ARC's resident keys per list */
     double target_t1;
     uint32_t mark;
-    PyObject *events;       /* None or a list of PoolEvent */
     long long stores, failed_stores, evictions, store_refusals;
 } Pool;
 
 /* Set once by bind(): the Python values this module hands out. */
-static PyObject *MISS, *HIT, *HIT_PENDING, *PLAN, *EVENT, *STORED, *REMOVED;
+static PyObject *MISS, *HIT, *HIT_PENDING, *PLAN;
 
 /* ---- the table ------------------------------------------------------------------------ */
 
@@ -430,21 +429,6 @@ static int32_t insert_key(Pool *p, PyObject *key, Py_hash_t hash, int32_t slot) 
 
 /* ---- helpers -------------------------------------------------------------------------- */
 
-static int record(Pool *p, PyObject *kind, PyObject *keys_list) {
-    if (p->events == Py_None || p->events == NULL)
-        return 0;
-    PyObject *tuple = PyList_AsTuple(keys_list);
-    if (tuple == NULL)
-        return -1;
-    PyObject *ev = PyObject_CallFunctionObjArgs(EVENT, kind, p->group_id, tuple, NULL);
-    Py_DECREF(tuple);
-    if (ev == NULL)
-        return -1;
-    int rc = PyList_Append(p->events, ev);
-    Py_DECREF(ev);
-    return rc;
-}
-
 static PyObject *fast(PyObject *keys) {
     return PySequence_Fast(keys, "slot pool: keys must be a sequence");
 }
@@ -641,8 +625,6 @@ static PyObject *Pool_prepare_store(Pool *p, PyObject *const *args, Py_ssize_t n
         for (Py_ssize_t i = 0; i < need; i++)
             evict_entry(p, victims[i]);
         p->evictions += need;
-        if (record(p, REMOVED, evicted) < 0)
-            goto done;
     }
     for (Py_ssize_t i = 0; i < n_new; i++) {
         PyObject *key = PyList_GET_ITEM(nf, i);
@@ -673,9 +655,6 @@ static PyObject *Pool_complete_store(Pool *p, PyObject *const *args, Py_ssize_t 
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(f), done_n = 0;
     PyObject **items = PySequence_Fast_ITEMS(f);
-    PyObject *done = (success && p->events != Py_None) ? PyList_New(0) : NULL;
-    if (success && p->events != Py_None && done == NULL)
-        goto fail;
     for (Py_ssize_t i = 0; i < n; i++) {
         Py_ssize_t b = resident_bucket(p, items[i]);
         if (b == -2)
@@ -687,25 +666,18 @@ static PyObject *Pool_complete_store(Pool *p, PyObject *const *args, Py_ssize_t 
             p->e[id].refs = 0;
             set_answer(p, b, ANSWER_HIT);
             set_evictable(p, id);
-            if (done != NULL && PyList_Append(done, items[i]) < 0)
-                goto fail;
         } else {
             remove_resident(p, id);
         }
         done_n++;
     }
-    if (success) {
+    if (success)
         p->stores += done_n;
-        if (done_n && done != NULL && record(p, STORED, done) < 0)
-            goto fail;
-    } else {
+    else
         p->failed_stores += done_n;
-    }
-    Py_XDECREF(done);
     Py_DECREF(f);
     Py_RETURN_NONE;
 fail:
-    Py_XDECREF(done);
     Py_DECREF(f);
     return NULL;
 }
@@ -776,21 +748,9 @@ static PyObject *Pool_complete_load(Pool *p, PyObject *keys) {
 }
 
 static PyObject *Pool_reset(Pool *p, PyObject *Py_UNUSED(ignored)) {
-    PyObject *idle = PyList_New(0);
-    if (idle == NULL)
-        return NULL;
-    for (int32_t id = 0; id < p->n_entries; id++)
-        if (resident(&p->e[id]) && p->e[id].refs == 0 && PyList_Append(idle, p->e[id].key) < 0) {
-            Py_DECREF(idle);
-            return NULL;
-        }
     for (int32_t id = 0; id < p->n_entries; id++)
         if (resident(&p->e[id]) && p->e[id].refs == 0)
             remove_resident(p, id);
-    int rc = PyList_GET_SIZE(idle) ? record(p, REMOVED, idle) : 0;
-    Py_DECREF(idle);
-    if (rc < 0)
-        return NULL;
     Py_RETURN_NONE;
 }
 
@@ -834,12 +794,11 @@ static int Pool_contains(Pool *p, PyObject *key) {
 /* ---- type ----------------------------------------------------------------------------- */
 
 static int Pool_init(Pool *p, PyObject *args, PyObject *kwds) {
-    static char *names[] = {"group_id", "capacity", "policy", "record_events", NULL};
+    static char *names[] = {"group_id", "capacity", "policy", NULL};
     PyObject *group_id;
     Py_ssize_t capacity;
     const char *policy = "lru";
-    int record_events = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "On|sp", names, &group_id, &capacity, &policy, &record_events))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "On|s", names, &group_id, &capacity, &policy))
         return -1;
     if (MISS == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "_slotpool.bind() was not called (import hybridkv.ram.compiled_pool)");
@@ -866,8 +825,7 @@ static int Pool_init(Pool *p, PyObject *args, PyObject *kwds) {
     p->free_entry = EMPTY;
     for (int l = 0; l < 4; l++)
         p->head[l] = p->tail[l] = EMPTY;
-    p->events = record_events ? PyList_New(0) : Py_NewRef(Py_None);
-    if (p->events == NULL || resize_table(p, 4) < 0 || reserve(p, 1) < 0) {
+    if (resize_table(p, 4) < 0 || reserve(p, 1) < 0) {
         if (!PyErr_Occurred())
             PyErr_NoMemory();
         return -1;
@@ -882,7 +840,6 @@ static void Pool_dealloc(Pool *p) {
     PyMem_Free(p->table);
     PyMem_Free(p->free_slots);
     Py_XDECREF(p->group_id);
-    Py_XDECREF(p->events);
     Py_TYPE(p)->tp_free((PyObject *)p);
 }
 
@@ -908,7 +865,6 @@ static PyMemberDef Pool_members[] = {
     {"group_id", T_OBJECT, offsetof(Pool, group_id), READONLY, NULL},
     {"capacity", T_PYSSIZET, offsetof(Pool, capacity), READONLY, NULL},
     {"target_t1", T_DOUBLE, offsetof(Pool, target_t1), 0, "ARC: how many resident keys T1 should hold"},
-    {"events", T_OBJECT, offsetof(Pool, events), 0, "None, or the PoolEvents recorded since the last drain"},
     {"stores", T_LONGLONG, offsetof(Pool, stores), 0, NULL},
     {"failed_stores", T_LONGLONG, offsetof(Pool, failed_stores), 0, NULL},
     {"evictions", T_LONGLONG, offsetof(Pool, evictions), 0, NULL},
@@ -926,7 +882,7 @@ static PyTypeObject PoolType = {
     .tp_name = "hybridkv.ram._slotpool.SlotTable",
     .tp_basicsize = sizeof(Pool),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
-    .tp_doc = "SlotTable(group_id, capacity, policy='lru', record_events=False): a slot pool in C",
+    .tp_doc = "SlotTable(group_id, capacity, policy='lru'): a slot pool in C",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Pool_init,
     .tp_dealloc = (destructor)Pool_dealloc,
@@ -936,18 +892,18 @@ static PyTypeObject PoolType = {
 };
 
 static PyObject *bind(PyObject *Py_UNUSED(module), PyObject *args) {
-    PyObject *v[7];
-    if (!PyArg_ParseTuple(args, "OOOOOOO", &v[0], &v[1], &v[2], &v[3], &v[4], &v[5], &v[6]))
+    PyObject *v[4];
+    if (!PyArg_ParseTuple(args, "OOOO", &v[0], &v[1], &v[2], &v[3]))
         return NULL;
-    PyObject **dest[7] = {&MISS, &HIT, &HIT_PENDING, &PLAN, &EVENT, &STORED, &REMOVED};
-    for (int i = 0; i < 7; i++)
+    PyObject **dest[4] = {&MISS, &HIT, &HIT_PENDING, &PLAN};
+    for (int i = 0; i < 4; i++)
         Py_XSETREF(*dest[i], Py_NewRef(v[i]));
     Py_RETURN_NONE;
 }
 
 static PyMethodDef module_methods[] = {
     {"bind", bind, METH_VARARGS,
-     "bind(MISS, HIT, HIT_PENDING, StorePlan, PoolEvent, STORED, REMOVED): the values to hand out"},
+     "bind(MISS, HIT, HIT_PENDING, StorePlan): the values to hand out"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -9,13 +9,12 @@ raises ImportError when the extension was not built; ``pool.make_pool`` then use
 from __future__ import annotations
 
 from hybridkv.ram import _slotpool
-from hybridkv.ram.pool import EventKind, Lookup, PoolEvent, PoolReports, StorePlan
+from hybridkv.ram.pool import Lookup, PoolReports, StorePlan
 
-_slotpool.bind(Lookup.MISS, Lookup.HIT, Lookup.HIT_PENDING, StorePlan, PoolEvent,
-               EventKind.STORED, EventKind.REMOVED)
+_slotpool.bind(Lookup.MISS, Lookup.HIT, Lookup.HIT_PENDING, StorePlan)
 
 
 class CompiledSlotPool(_slotpool.SlotTable, PoolReports):
-    """``CompiledSlotPool(group_id, capacity, policy="lru"|"arc", record_events=False)``."""
+    """``CompiledSlotPool(group_id, capacity, policy="lru"|"arc")``."""
 
     __slots__ = ()

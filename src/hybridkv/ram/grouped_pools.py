@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from itertools import repeat
 
 from hybridkv.ram.policies import EvictionPolicy
-from hybridkv.ram.pool import Lookup, PoolEvent, SlotPool, StorePlan, make_pool
+from hybridkv.ram.pool import Lookup, SlotPool, StorePlan, make_pool
 
 log = logging.getLogger(__name__)
 
@@ -24,9 +24,9 @@ class GroupedPools:
     """``policy`` is a built-in policy's name or ``(group id, capacity) -> EvictionPolicy``."""
 
     def __init__(self, slots_per_group: Mapping[int, int],
-                 policy: str | Callable[[int, int], EvictionPolicy] = "lru", record_events: bool = False):
+                 policy: str | Callable[[int, int], EvictionPolicy] = "lru"):
         self.pools: dict[int, SlotPool] = {
-            gid: make_pool(gid, n, policy if isinstance(policy, str) else policy(gid, n), record_events)
+            gid: make_pool(gid, n, policy if isinstance(policy, str) else policy(gid, n))
             for gid, n in slots_per_group.items()
         }
         self._request_pins: dict[str, Counter] = {}
@@ -106,12 +106,9 @@ class GroupedPools:
         log.warning("request %s finished holding %d pins; released", request, leaked)
         return leaked
 
-    def take_events(self) -> list[PoolEvent]:
-        """Drain the stored/removed events of every pool (end of an engine step)."""
-        events = []
-        for pool in self.pools.values():
-            events.extend(pool.take_events())
-        return events
+    def open_requests(self) -> int:
+        """Requests started and not finished (each may hold pins)."""
+        return len(self._request_pins)
 
     def stats(self) -> dict[int, dict]:
         return {gid: pool.snapshot_stats() for gid, pool in self.pools.items()}

@@ -35,20 +35,6 @@ class StorePlan:
     evicted: list = field(default_factory=list)
 
 
-class EventKind(Enum):
-    STORED = "stored"
-    REMOVED = "removed"
-
-
-@dataclass(frozen=True, slots=True)
-class PoolEvent:
-    """Keys that became loadable or left RAM (for engines that publish KV events)."""
-
-    kind: EventKind
-    group: int
-    keys: tuple
-
-
 class PoolEntry:
     """A resident key's slot and reference count: ``WRITE_PENDING`` until its bytes land (not
     ready: invisible to loads), 0 when evictable, the number of pins otherwise. A class with
@@ -72,17 +58,9 @@ class _Visibility(dict):
 
 class PoolReports:
     """What both pools (this module's and compiled_pool's) report the same way. Each has
-    ``events`` (None or a list), the counters below, ``capacity``, ``free_count()`` and
-    ``evictable_count()``."""
+    the counters below, ``capacity``, ``free_count()`` and ``evictable_count()``."""
 
     __slots__ = ()
-
-    def take_events(self) -> list[PoolEvent]:
-        """Drain the events recorded since the last call (empty unless ``record_events``)."""
-        if not self.events:
-            return []
-        events, self.events = self.events, []
-        return events
 
     def snapshot_stats(self) -> dict:
         return {
@@ -100,8 +78,7 @@ class SlotPool(PoolReports):
 
     lookup: Callable[[object], Lookup]
 
-    def __init__(self, group_id: int, capacity: int, policy: str | EvictionPolicy = "lru",
-                 record_events: bool = False):
+    def __init__(self, group_id: int, capacity: int, policy: str | EvictionPolicy = "lru"):
         if capacity <= 0:
             raise ValueError(f"group {group_id}: a pool needs at least one slot")
         self.group_id = group_id
@@ -113,8 +90,6 @@ class SlotPool(PoolReports):
         self._free: list[int] = []
         self._fresh = 0            # slots never handed out start here (lazy free list)
         self.stores = self.failed_stores = self.evictions = self.store_refusals = 0
-        # Opt-in: a server that never drains them would grow without bound.
-        self.events: list[PoolEvent] | None = [] if record_events else None
         self.touch = self.policy.touch   # recency update, straight to the policy (hot path)
 
     # -- queries -------------------------------------------------------------------------
@@ -208,8 +183,6 @@ class SlotPool(PoolReports):
                 free.append(entries.pop(key).slot)
                 del visible[key]
             self.evictions += len(victims)
-            if self.events is not None:
-                self.events.append(PoolEvent(EventKind.REMOVED, self.group_id, tuple(victims)))
             evicted = victims
         slots = []
         inserted, visible = self.policy.inserted, self._visible
@@ -235,8 +208,6 @@ class SlotPool(PoolReports):
                 self._visible[keys[0]] = HIT
                 policy.set_evictable(keys[0], True)
                 self.stores += 1
-                if self.events is not None:
-                    self.events.append(PoolEvent(EventKind.STORED, self.group_id, tuple(keys)))
             return
         done = []
         for key in keys:
@@ -257,8 +228,6 @@ class SlotPool(PoolReports):
             return
         if success:
             self.stores += len(done)
-            if self.events is not None:
-                self.events.append(PoolEvent(EventKind.STORED, self.group_id, tuple(done)))
         else:
             self.failed_stores += len(done)
 
@@ -270,12 +239,9 @@ class SlotPool(PoolReports):
             self._free.append(self._entries.pop(key).slot)
             del self._visible[key]
             self.policy.removed(key)
-        if idle and self.events is not None:
-            self.events.append(PoolEvent(EventKind.REMOVED, self.group_id, tuple(idle)))
 
 
-def make_pool(group_id: int, capacity: int, policy: str | EvictionPolicy = "lru",
-              record_events: bool = False) -> SlotPool:
+def make_pool(group_id: int, capacity: int, policy: str | EvictionPolicy = "lru") -> SlotPool:
     """The compiled pool (ram/_slotpool.c) for a built-in policy when the extension was built
     and ``HYBRIDKV_PURE_PYTHON_POOL`` is not set; else ``SlotPool``. Both behave the same."""
     if isinstance(policy, str) and policy in ("lru", "arc") and not os.environ.get("HYBRIDKV_PURE_PYTHON_POOL"):
@@ -284,5 +250,5 @@ def make_pool(group_id: int, capacity: int, policy: str | EvictionPolicy = "lru"
         except ImportError:   # built without a C compiler: the Python pool serves
             pass
         else:
-            return CompiledSlotPool(group_id, capacity, policy, record_events)
-    return SlotPool(group_id, capacity, policy, record_events)
+            return CompiledSlotPool(group_id, capacity, policy)
+    return SlotPool(group_id, capacity, policy)

@@ -85,12 +85,12 @@ def _writer(store: str, seed: str, ack_path: str) -> None:
 
 def _ram_user(ram_dir: str, how: str) -> None:
     """Open a cache with RAM regions in ``ram_dir``, store a page, then exit cleanly or hang."""
-    from hybridkv.cache import TieredCache
+    from hybridkv.cache import TieredCache, store_pages
     from hybridkv.config import CacheConfig
 
     config = CacheConfig(block_tokens=16, ram_bytes="8MiB", ram_dir=ram_dir)
     with TieredCache(LAYOUT, config) as cache:
-        cache.store({g: [(_key(1), expected_page(g, _key(1)))] for g in (0, 1)})
+        store_pages(cache, {g: [(_key(1), expected_page(g, _key(1)))] for g in (0, 1)})
         cache.poll()
         print("ready", flush=True)
         if how == "hang":

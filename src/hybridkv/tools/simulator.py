@@ -216,9 +216,9 @@ def replay(layout: Layout, requests: Sequence[np.ndarray] | Iterable[np.ndarray]
                     last_state = boundary
                     conn.offer_state(req, boundary, state_pages)
             conn.finish(req)
-        ram = cache.counters[RAM]
+        ram = cache.stats()["tiers"][RAM]
         return SimResult(pol.name, workload, budget_bytes, n, prompt, saved, flops, servable, wrong,
-                         ram.bytes_in, ram.bytes_out)
+                         ram["bytes_in"], ram["bytes_out"])
     finally:
         cache.close()
 

