@@ -1,15 +1,11 @@
 """Fixtures shared by every test directory; helpers live in ``tests/helpers``."""
 
-import importlib.util
 import json
 
 import pytest
 
 from helpers import LAYOUTS
 from helpers.redis_server import RedisServer
-
-# tests/integrations/vllm needs vLLM, which lives in .venv-vllm; scripts/test.sh runs it there.
-collect_ignore = [] if importlib.util.find_spec("vllm") else ["integrations"]
 
 
 def pytest_collection_modifyitems(items):

@@ -1,8 +1,10 @@
 """The vLLM tests need vLLM (``.venv-vllm``, made by scripts/setup.sh). Collected anywhere
-else they are left out, and the run says so and how to run them, instead of failing to import
-or vanishing without a word."""
+else they are not imported, and the run reports them as one skipped test saying why and how
+to run them, instead of failing to import or vanishing without a word."""
 
 from importlib.metadata import PackageNotFoundError, distribution
+
+import pytest
 
 
 def _has_vllm() -> bool:
@@ -28,8 +30,14 @@ def pytest_ignore_collect(collection_path, config):
     return None
 
 
-def pytest_terminal_summary(terminalreporter):
+class LeftOut(pytest.Item):
+    """Stands for a directory of vLLM tests that was not collected."""
+
+    def runtest(self):
+        pytest.skip(f"vLLM is not installed here; run these with "
+                    f".venv-vllm/bin/python -m pytest {self.name} (bash scripts/test.sh does)")
+
+
+def pytest_collection_modifyitems(session, config, items):
     for path in _left_out:
-        terminalreporter.write_line(
-            f"not run: {path} (vllm is not installed here); run them with "
-            ".venv-vllm/bin/python -m pytest tests/integrations/vllm")
+        items.append(LeftOut.from_parent(session, name=str(path.relative_to(config.rootpath))))
