@@ -161,8 +161,11 @@ class PageCopier:
             return Transfer(seconds=time.perf_counter() - t0)
         return self._staged(group, host, slots, blocks, "save")
 
-    def load(self, group: int, region: SharedRegion, slots: Sequence[int], blocks: Sequence[int]) -> Transfer:
-        """Slots -> blocks, after everything the engine queued so far (its zeroing of them)."""
+    def load(self, group: int, region: SharedRegion, slots: Sequence[int], blocks: Sequence[int],
+             feeds_forward: bool = False) -> Transfer:
+        """Slots -> blocks, after everything the engine queued so far (its zeroing of them).
+        ``feeds_forward``: the engine's next kernels read the blocks, so on a GPU its stream
+        waits for the copy."""
         host = self._host(group, region)
         if not self.staged:
             t0 = time.perf_counter()
@@ -170,7 +173,12 @@ class PageCopier:
             for p in self.parts[group]:
                 self._scatter(p, ids, host[where, p.offset:p.offset + p.nbytes])
             return Transfer(seconds=time.perf_counter() - t0)
-        return self._staged(group, host, slots, blocks, "load")
+        return self._staged(group, host, slots, blocks, "load", feeds_forward)
+
+    def load_for_forward(self, group: int, region: SharedRegion, slots: Sequence[int],
+                         blocks: Sequence[int]) -> Transfer:
+        """``load`` for blocks the engine's next forward reads."""
+        return self.load(group, region, slots, blocks, feeds_forward=True)
 
     def synchronize(self) -> None:
         """Wait for every copy queued so far (before a failed batch is reported: no copy of
@@ -201,7 +209,8 @@ class PageCopier:
         data = raw.contiguous().view(p.view.dtype).reshape(len(ids), *p.view.shape[1:])
         p.view.index_copy_(0, ids, data)
 
-    def _staged(self, group: int, host: torch.Tensor, slots, blocks, kind: str) -> Transfer:
+    def _staged(self, group: int, host: torch.Tensor, slots, blocks, kind: str,
+                feeds_forward: bool = False) -> Transfer:
         width, lane, save = self.slice_bytes[group], self._lanes[kind], kind == "save"
         rows = min(len(slots), max(1, self._staging_bytes[kind] // width))
         staging = lane.staging(rows, width)
@@ -228,4 +237,6 @@ class PageCopier:
             done = lane.event()
         if read is not None:         # the engine may overwrite the blocks once they are read
             engine.wait_event(read)
+        if feeds_forward:            # the engine reads the blocks once they are written
+            engine.wait_event(done)
         return Transfer(done, started, seconds=time.perf_counter() - t0)

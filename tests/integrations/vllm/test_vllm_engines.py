@@ -2,7 +2,7 @@
 
 Engine A serves a prompt cold, repeats it from RAM (vLLM's own prefix cache emptied first),
 serves a sibling that shares a prefix (hybridkv stores the junction state), a third prompt
-that hits at that junction, then all of them at once in one batch, twice: restored by
+that hits at that junction, then four of them at once in one batch, twice: restored by
 hybridkv, then by vLLM's own prefix cache. Last, P after a reset of both caches (as after a
 weight update), and P once more. Engine B is a new process on the same store with a small
 RAM budget: it restores the prompt from disk (from Redis for the Llama run, which gets a
@@ -22,7 +22,7 @@ BACKGROUND_READS = {"qwen3_next", "granite_h"}      # engine B promotes asynchro
 P, R = tokens(1, 2048), tokens(9, 2048)
 SIBLING, THIRD = P[:1100] + tokens(2, 948), P[:1100] + tokens(3, 948)
 PRESSURE = [tokens(10 + i, 2048) for i in range(3)]
-BATCH = [P, P, SIBLING, THIRD]
+BATCH = [P, R, SIBLING, THIRD]
 _runs: dict[str, dict] = {}
 
 
@@ -101,10 +101,13 @@ def test_third_request_hits_at_the_sibling_junction(runs, family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_batch_restored_by_hybridkv_decodes_as_vllms_own_prefix_cache_does(runs, family):
-    """P twice, its sibling and the third prompt submitted together: one step matches, pins
-    and loads them all, and every pin is released. vLLM on CPU is not batch-invariant (plain
-    vLLM decodes P in this batch differently from P alone), so the reference is the same
-    batch again, now served from vLLM's own prefix cache: the same hits, the same shapes."""
+    """P, R, P's sibling and the third prompt submitted together, every page in RAM: the step
+    that runs the batch loads them all before its forward (vLLM's synchronous load), and every
+    pin is released. vLLM on CPU is not batch-invariant (plain vLLM decodes P in this batch
+    differently from P alone), so the reference is the same batch again, now served from
+    vLLM's own prefix cache: the same hits, the same shapes. (A prompt twice in one batch
+    would not do: vLLM runs the second copy a step later when the first one's blocks are
+    loaded in the step, so the two batches would not have the same shapes.)"""
     r = runs(family)
     restored, local = r["A"]["requests"][6]["batch"], r["A"]["requests"][7]["batch"]
     junction = 1100 // r["block_tokens"] * r["block_tokens"]
@@ -116,6 +119,7 @@ def test_a_batch_restored_by_hybridkv_decodes_as_vllms_own_prefix_cache_does(run
     order = sorted(last, key=lambda rid: int(rid.split("-")[0]))    # the LLM numbers requests
     batches = order[6:14]                       # requests 6-9 and 10-13: the two batches
     assert [last[rid]["loaded_tokens"] > 0 for rid in batches] == [True] * 4 + [False] * 4, last
+    assert stats["vllm"]["loads_within_step"] >= 5          # P alone, then the batch
     assert stats["vllm"]["load_failures"] == 0
     assert all(g["evictable"] == g["used"] for g in stats["cache"]["groups"].values())   # no pin left
 

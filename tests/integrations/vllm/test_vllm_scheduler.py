@@ -272,14 +272,9 @@ def worker_tensors(seed):
     return {"l0": l0, "l1": l1, "l2": attention.view(torch.float32)}
 
 
-def test_two_ranks_store_and_load_their_slices_through_the_scheduler(tmp_path):
-    """The whole TP=2 path in one process: both workers save their slices of the blocks the
-    scheduler planned, the page is published once both reported, and a later hit loads each
-    rank's slice back into that rank's (empty) tensors, bit for bit."""
-    side = fresh_scheduler(tmp_path, tp=2)
-    config, kv = vllm_objects(block=B, tp=2)
-    sources = [worker_tensors(seed) for seed in (1, 2)]
-    workers = [WorkerSide(config, kv, rank=r) for r in (0, 1)]
+def stored_by_workers(side, workers, sources) -> None:
+    """Request "w" computed: every worker saves its slices of the blocks the scheduler
+    planned, and the scheduler publishes the pages once each reported."""
     for worker, tensors in zip(workers, sources, strict=True):
         worker.register(tensors)
     side.match(request("w"), 0)
@@ -291,23 +286,89 @@ def test_two_ranks_store_and_load_their_slices_through_the_scheduler(tmp_path):
         merged = part if merged is None else merged.aggregate(part)
     side.on_report(merged)
     side.finish("w")
-    assert side.match(request("r"), 0) == 3 * B
-    targets = ([5, 6, 7], [1, 2, 3])               # other blocks this time
+
+
+def test_two_ranks_store_and_load_their_slices_through_the_scheduler(tmp_path):
+    """The whole TP=2 path in one process: both workers save their slices of the blocks the
+    scheduler planned, the page is published once both reported, and a later hit loads each
+    rank's slice back into that rank's (empty) tensors, bit for bit. Every page is in RAM and
+    both ranks have mapped the regions, so the load runs in the step that runs the request
+    (vLLM never hears of it), and the state also goes into the column that step's chunk ends
+    in, which vLLM's forward reads."""
+    side = fresh_scheduler(tmp_path, tp=2)
+    config, kv = vllm_objects(block=B, tp=2)
+    sources = [worker_tensors(seed) for seed in (1, 2)]
+    workers = [WorkerSide(config, kv, rank=r) for r in (0, 1)]
+    stored_by_workers(side, workers, sources)
+    assert side.match(request("r"), 0) == 3 * B and side.loads_within_step("r")
+    targets = ([5, 6, 7, 8], [1, 2, 3, 4])         # other blocks this time, one more for the chunk
     side.allocated(request("r"), targets, 3 * B)
-    plan = side.plan_step({}, None, {})
+    plan = side.plan_step({"r": (3 * B, 3 * B + 1)}, lambda rid: targets, {})
+    assert plan.loads_within_step == {"r"}
     empty = [{k: torch.zeros_like(v) for k, v in worker_tensors(0).items()} for _ in workers]
+    merged = None
     for worker, tensors in zip(workers, empty, strict=True):
         worker.register(tensors)
         worker.load(plan)
-        assert worker.finished_loads() == ({"r"}, set())
+        assert worker.finished_loads() == (set(), set())      # vLLM expects no word of it
+        part = worker.take_report()
+        assert part.ranks[worker.rank].loaded == {"r"}
+        merged = part if merged is None else merged.aggregate(part)
     for src, dst in zip(sources, empty, strict=True):
-        for b, (s_block, d_block) in enumerate(zip(BLOCK_IDS[1], targets[1], strict=True)):
+        for b, (s_block, d_block) in enumerate(zip(BLOCK_IDS[1], targets[1][:3], strict=True)):
             assert torch.equal(src["l2"][s_block].view(torch.int32), dst["l2"][d_block].view(torch.int32)), b
-        for layer in ("l0", "l1"):                  # the state at 3B: vLLM's block 9 -> block 7
-            assert torch.equal(src[layer][9], dst[layer][7])
+        for layer in ("l0", "l1"):                  # the state at 3B: vLLM's block 9 -> 7, and 8
+            assert torch.equal(src[layer][9], dst[layer][7]) and torch.equal(src[layer][9], dst[layer][8])
+    side.on_report(merged)
+    assert all(g["evictable"] == g["used"] for g in side.cache.stats()["groups"].values())
     for worker in workers:
         worker.close()
     side.close()
+
+
+def test_a_state_loaded_in_a_step_also_feeds_a_request_that_hit_it_in_vllms_own_cache(tmp_path):
+    """vLLM caches the blocks of a synchronous load at once, so a second request scheduled in
+    the same step could hit the loaded state block in vLLM's own cache (0.32 defers it a
+    step; nothing promises that); its pre-copy would read that block before the step's loads
+    run, so the loaded state goes into its running column too."""
+    side = fresh_scheduler(tmp_path)
+    worker = WorkerSide(*vllm_objects(block=B))
+    source = worker_tensors(1)
+    stored_by_workers(side, [worker], [source])
+    assert side.match(request("r"), 0) == 3 * B
+    first, second = ([5, 6, 7, 8], [1, 2, 3, 4]), ([5, 6, 7, 11], [1, 2, 3, 12])   # block 7 shared
+    side.allocated(request("r"), first, 3 * B)
+    plan = side.plan_step({"r": (3 * B, 3 * B + 1), "s": (3 * B, 3 * B + 1)},
+                          {"r": first, "s": second}.__getitem__, {})
+    empty = {k: torch.zeros_like(v) for k, v in worker_tensors(0).items()}
+    worker.register(empty)
+    worker.load(plan)
+    for layer in ("l0", "l1"):
+        assert all(torch.equal(source[layer][9], empty[layer][block]) for block in (7, 8, 11)), layer
+    assert not empty["l0"][10].any()                 # nothing else written
+    worker.close()
+    side.close()
+
+
+def test_a_load_runs_in_a_step_of_its_own_until_every_worker_mapped_the_regions(stored):
+    """The first hit of a new process: no worker has copied yet, so a failed mapping could still
+    fail the load, which only an asynchronous load can report. Once a rank has, loads run
+    within the step; ``load_within_step: false`` keeps every load in a step of its own."""
+    tmp_path, _ = stored
+    side = scheduler(tmp_path, policy="fail")
+    assert side.match(request(), 0) == 3 * B and not side.loads_within_step("r")
+    side.allocated(request(), BLOCK_IDS, 3 * B)
+    side.plan_step({}, None, {})
+    side.on_report(report(0, loaded={"r"}))
+    side.finish("r")
+    assert side.match(request("again"), 0) == 3 * B and side.loads_within_step("again")
+    side.close()
+    off = scheduler(tmp_path, policy="fail", load_within_step=False)
+    off.on_report(report(0, loaded={"x"}))
+    assert off.match(request("again"), 0) == 3 * B and not off.loads_within_step("again")
+    off.close()
+    with pytest.raises(HybridKVError, match="load_within_step='no' is not valid; use true or false"):
+        scheduler(tmp_path, load_within_step="no")
 
 
 def test_a_worker_that_cannot_pin_the_regions_stops_the_engine_with_one_line(tmp_path):

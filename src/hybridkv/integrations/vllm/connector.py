@@ -7,9 +7,11 @@
 vLLM builds one instance per role; this class only dispatches to the scheduler half
 (``scheduler.py``) or the worker half (``worker.py``). The pages of a reported hit are pinned
 in RAM, or being read into RAM from disk or Redis, when the hit is reported; a load is a
-memory copy the worker makes once they are all there. It is asynchronous in vLLM's sense so
-that it happens before vLLM prepares the request, and so that those reads never stall the
-engine (``async_promotion``).
+memory copy the worker makes once they are all there. A hit whose pages are all in RAM is
+loaded synchronously in vLLM's sense: copied in the step that computes the rest of the
+prompt, before its forward. One still being read from disk or Redis is asynchronous: copied
+in a step of its own once the reads landed, so they never stall the engine
+(``async_promotion``).
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
     # -- scheduler --------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         tokens = self.scheduler.match(request, num_computed_tokens)
-        return tokens, tokens > 0
+        return tokens, tokens > 0 and not self.scheduler.loads_within_step(request.request_id)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         self.scheduler.allocated(request, blocks.get_block_ids(), num_external_tokens)

@@ -31,7 +31,7 @@ from hybridkv.identity import checkpoint_revision, software_versions
 
 COMMIT = re.compile(r"[0-9a-f]{40}")
 # kv_connector_extra_config keys that belong to the integration, not to CacheConfig.
-INTEGRATION_KEYS = ("stats_file", "async_promotion")
+INTEGRATION_KEYS = ("stats_file", "async_promotion", "load_within_step")
 
 
 def group_kind(spec, prefix_cacheable: bool) -> GroupKind:

@@ -30,8 +30,9 @@ class Copy:
 
 @dataclass
 class StepPlan(KVConnectorMetadata):
-    """Scheduler -> worker: the regions, this step's loads (per request, before the forward)
-    and stores (per reservation, after it). Also loads that ended before reaching the worker,
+    """Scheduler -> worker: the regions, this step's loads (per request) and stores (per
+    reservation, after the forward). A load runs before the forward when its request runs in
+    this step (``loads_within_step``, vLLM's synchronous load), else after it. Also loads that ended before reaching the worker,
     which only the worker can report to vLLM: failed (a disk or Redis read did not read back)
     and abandoned (the request finished while its reads were in flight; vLLM holds its blocks
     until the load is reported)."""
@@ -41,6 +42,7 @@ class StepPlan(KVConnectorMetadata):
     stores: dict[int, list[Copy]]
     failed_loads: set[str] = field(default_factory=set)
     abandoned_loads: set[str] = field(default_factory=set)
+    loads_within_step: set[str] = field(default_factory=set)   # their requests run this step
 
 
 @dataclass

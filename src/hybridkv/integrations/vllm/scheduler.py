@@ -45,6 +45,7 @@ class _Request:
     state: RequestState
     local_tokens: int
     pinned: bool = False          # the hit's pages are pinned until every worker loaded them
+    within_step: bool = False     # loaded in the step that computes the rest of the prompt
     loaded_tokens: int = 0
     match_ms: float = 0.0         # how long vLLM's scheduler waited for the lookup
 
@@ -82,6 +83,7 @@ class SchedulerStats:
     stores_refused: int = 0       # RAM had no free slot (everything pinned) for an offer
     store_failures: int = 0
     junctions_requested: int = 0
+    loads_within_step: int = 0    # loads copied in the step that ran the request, not one before
     hits_trimmed: int = 0         # vLLM accepted another hit than the one pinned: recomputed
     stats_write_errors: int = 0
 
@@ -97,6 +99,7 @@ class SchedulerSide:
                 "the Hub): stored pages could be served to other weights. Pass --revision <commit>, "
                 "serve a local checkpoint directory, or leave out store and remote (RAM only)")
         self.async_promotion = async_promotion(extra, vllm_config)     # refused before any region exists
+        self.within_step = load_within_step(extra, kv_cache_config)
         self.cache = TieredCache(self.layout, config)
         self.connector = Connector(self.cache)
         self.stats = SchedulerStats()
@@ -112,6 +115,8 @@ class SchedulerSide:
         self._promotion_failed: set[str] = set()      # for the worker to report as failed loads
         self._abandoned: set[str] = set()             # finished while promoting: reported done
         self._load_acks: dict[str, _Acks] = {}        # loads some ranks have reported
+        self._within: dict[str, list[Copy]] = {}      # allocated loads of this step's running requests
+        self._ranks_mapped: set[int] = set()          # ranks that copied once: their regions are mapped
         self._closed = False
         self.history: deque[dict] = deque(maxlen=256)     # the last finished requests, for operators
         self._reported = {"loaded_tokens": 0, "stored_pages": 0}   # at the last stats call
@@ -159,7 +164,29 @@ class SchedulerSide:
         if state.hit.tokens <= num_computed_tokens:       # the hit shrank while pinning
             self._unpin(ctx)
             return 0
+        if self._can_load_within_step(ctx):
+            ctx.within_step = True
+        elif not state.loaded:                            # a read into RAM failed: recompute
+            ctx.pinned = False
+            return 0
         return state.hit.tokens - num_computed_tokens
+
+    def _can_load_within_step(self, ctx: _Request) -> bool:
+        """Can the hit's copy run in the step that computes the rest of the prompt (vLLM's
+        synchronous load), not in a step of its own before it? When every page is in RAM now
+        and every worker has mapped the regions: a copy from pinned slots then cannot fail,
+        which matters, because vLLM gives a synchronous load of a hybrid model no way to
+        report a failure. (A read into RAM that turns out failed clears ``state.loaded``.)"""
+        if not self.within_step or len(self._ranks_mapped) < self.layout.tp_size:
+            return False
+        if not ctx.state.loaded.ready():
+            return False
+        return not self.async_promotion or self.connector.finish_load(ctx.state) is not None
+
+    def loads_within_step(self, request_id: str) -> bool:
+        """Will the request's load run in the step that schedules it (vLLM: not asynchronous)?"""
+        ctx = self._requests.get(request_id)
+        return ctx is not None and ctx.within_step
 
     def _ask_for_state(self, request, state: RequestState) -> None:
         """vLLM materializes a recurrent state only where a chunk ends. Its own stops need not
@@ -200,7 +227,10 @@ class SchedulerSide:
             targets = [(slot, block) for slot, block in targets if block != 0]   # 0: vLLM's null block
             if targets:
                 copies.append(Copy(gid, [s for s, _ in targets], [b for _, b in targets]))
-        if not self.async_promotion:
+        if ctx.within_step:               # the step's plan adds the state's running column
+            self._within[request.request_id] = copies
+            self.stats.loads_within_step += 1
+        elif not self.async_promotion:
             self._loads[request.request_id] = copies
         else:                             # to the worker once every page is in RAM
             self._promoting[request.request_id] = copies
@@ -231,6 +261,8 @@ class SchedulerSide:
         self._collect_promotions()
         plan = StepPlan(self.regions, self._loads, {}, self._promotion_failed, self._abandoned)
         self._loads, self._promotion_failed, self._abandoned = {}, set(), set()
+        if self._within:
+            self._plan_loads_within_step(scheduled, block_ids_of, plan)
         for rid, (start, end) in scheduled.items():
             ctx = self._requests.get(rid)
             if ctx is not None and end > start and self.connector.token_groups:
@@ -240,6 +272,34 @@ class SchedulerSide:
             if ctx is not None:
                 self._plan_state_stores(ctx, states, plan)
         return plan
+
+    def _plan_loads_within_step(self, scheduled: dict[str, tuple[int, int]], block_ids_of,
+                                plan: StepPlan) -> None:
+        """Loads whose requests run in this step. Before a step's loads, vLLM copies each
+        running request's recurrent state from the column of the token before its chunk into
+        the column its chunk ends in (its Mamba pre-copy), and the forward reads that one. So
+        a state page loaded now goes into that running column too: for the request loading
+        it, and for any other request of this step that hit the same state block in vLLM's own
+        cache (vLLM caches a synchronous load's blocks at once; 0.32 runs a request that hits
+        them a step later, when they are filled, but nothing in its API promises that)."""
+        state_groups = set(self.connector.state_groups)
+        loaded: dict[tuple[int, int], tuple[str, int]] = {}     # (group, block) -> (request, slot)
+        for rid, copies in self._within.items():
+            plan.loads[rid] = copies
+            plan.loads_within_step.add(rid)
+            for c in (c for c in copies if c.group in state_groups):
+                loaded.update({(c.group, block): (rid, slot)
+                               for slot, block in zip(c.slots, c.blocks, strict=True)})
+        self._within = {}
+        for rid, (start, end) in scheduled.items():
+            before, running = (start - 1) // self.B, (end - 1) // self.B
+            if start == 0 or before == running:
+                continue
+            block_ids = block_ids_of(rid)
+            for gid in state_groups:
+                owner = loaded.get((gid, block_ids[gid][before]))
+                if owner is not None and block_ids[gid][running] != 0:
+                    plan.loads[owner[0]].append(Copy(gid, [owner[1]], [block_ids[gid][running]]))
 
     def _collect_promotions(self) -> None:
         """Loads whose reads have landed go to the worker now; a load a read failed is handed
@@ -299,6 +359,8 @@ class SchedulerSide:
         rank is done with it and one failed: never a page with a missing slice, never a slot
         freed while a rank still writes it. A hit's pages stay pinned until every rank loaded."""
         for rank, part in (report.ranks.items() if report is not None else ()):
+            if part.stored or part.loaded:
+                self._ranks_mapped.add(rank)
             for rid in part.stored | part.store_failures:
                 self._acknowledge_store(rid, rank, rid in part.stored and rid not in part.store_failures)
             for req in part.loaded | part.load_failures:
@@ -349,6 +411,7 @@ class SchedulerSide:
             self._failed_loads.discard(request_id)
         ctx = self._requests.pop(request_id, None)
         self._loads.pop(request_id, None)
+        self._within.pop(request_id, None)
         if self._promoting.pop(request_id, None) is not None:
             self._abandoned.add(request_id)   # aborted while its reads were in flight
         if ctx is not None:
@@ -451,6 +514,18 @@ def async_promotion(extra: dict, vllm_config) -> bool:
         raise HybridKVError(f"kv_connector_extra_config async_promotion={setting!r} is not valid; "
                             'use true, false or "auto"')
     return setting
+
+
+def load_within_step(extra: dict, kv_cache_config) -> bool:
+    """Copy a RAM hit in the step that runs its request (``load_within_step``, default true)?
+    Never for a model whose groups replay a window after a hit: vLLM may then accept fewer
+    tokens than the hit, and a synchronous load has no way to fail."""
+    setting = extra.get("load_within_step", True)
+    if not isinstance(setting, bool):
+        raise HybridKVError(f"kv_connector_extra_config load_within_step={setting!r} is not valid; "
+                            "use true or false")
+    groups = getattr(kv_cache_config, "kv_cache_groups", ())
+    return setting and not any(getattr(g.kv_cache_spec, "prefix_replay_tokens", 0) for g in groups)
 
 
 def request_identity(request) -> tuple[str | None, bytes | None]:

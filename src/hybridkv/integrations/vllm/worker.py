@@ -3,14 +3,17 @@
 One instance per TP rank. Each copies its own slice of every page (its heads, its state
 slice) at its rank's byte range, on the device of vLLM's tensors (``device/page_copy.py``).
 
-Loads are asynchronous in vLLM's sense: they run in a step in which the request is not
-scheduled, and the request runs once ``get_transfer_results`` reported it, so vLLM's own Mamba
-bookkeeping (which copies the state of the hit's block forward before each step) sees the
-loaded state. Stores run after the forward (the blocks hold what it just wrote). A GPU copy
-is reported when its event completed: a load before the forward that reads it, a store before
-the scheduler publishes its page. Nothing here decides what to copy. A failed copy is
-reported, never raised into vLLM: a failed load fails its request's transfer (vLLM recomputes
-the request or fails it, by its ``kv_load_failure_policy``) and a failed store is abandoned.
+A load whose request runs in this step (synchronous in vLLM's sense) is copied before the
+forward, which waits for it on a GPU; it is reported to the scheduler only (vLLM expects no
+word of it). Any other load is asynchronous: copied in a step in which its request does not
+run, and reported through ``get_transfer_results`` once its transfer completed, after which
+vLLM schedules the request. Stores run after the forward (the blocks hold what it just
+wrote) and are reported once their transfers completed, before the scheduler publishes a page.
+Nothing here decides what to copy. A failed asynchronous load fails its request's transfer
+(vLLM recomputes the request or fails it, by its ``kv_load_failure_policy``) and a failed
+store is abandoned; neither raises into vLLM. The scheduler plans a synchronous load only when
+its copy cannot fail (pinned pages, regions mapped); if one does, this raises, as the forward
+would otherwise read blocks that were never filled.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from hybridkv.core.errors import HybridKVError
 from hybridkv.device.page_copy import PageCopier, Transfer
 from hybridkv.integrations.vllm.layout import layout_from_vllm
 from hybridkv.integrations.vllm.messages import Copy, RankReport, StepPlan, WorkerReport
@@ -65,6 +69,7 @@ class WorkerSide:
         self.regions: dict[int, SharedRegion] = {}
         self.report = RankReport()
         self._loads: list[_Batch] = []       # copies in flight
+        self._loads_within_step: list[_Batch] = []
         self._stores: list[_Batch] = []
         self.counters = {"load_bytes": 0, "store_bytes": 0, "load_s": 0.0, "store_s": 0.0}
 
@@ -89,14 +94,22 @@ class WorkerSide:
     def load(self, plan: StepPlan) -> None:
         self.report.load_failures |= plan.failed_loads
         self.report.loaded |= plan.abandoned_loads      # nothing to copy: vLLM frees the blocks
-        if not plan.loads:
-            return
-        requests = set(plan.loads)
-        batch = self._copy("load", plan, plan.loads, self.copier.load, requests)
-        if batch is None:          # vLLM recomputes these requests or fails them (its failure policy)
-            self.report.load_failures |= requests
-        else:
-            self._loads.append(batch)
+        now = {rid: c for rid, c in plan.loads.items() if rid in plan.loads_within_step}
+        later = {rid: c for rid, c in plan.loads.items() if rid not in plan.loads_within_step}
+        if now:
+            batch = self._copy("load", plan, now, self.copier.load_for_forward, set(now))
+            if batch is None:
+                raise HybridKVError(f"hybridkv: the loads of requests {sorted(now)} failed in the step "
+                                    "that runs them; their tokens would be computed from unfilled blocks. "
+                                    "Set load_within_step: false in kv_connector_extra_config to load in a "
+                                    "step of their own, and report this")
+            self._loads_within_step.append(batch)
+        if later:
+            batch = self._copy("load", plan, later, self.copier.load, set(later))
+            if batch is None:      # vLLM recomputes these requests or fails them (its failure policy)
+                self.report.load_failures |= set(later)
+            else:
+                self._loads.append(batch)
 
     def store(self, plan: StepPlan) -> None:
         if not plan.stores:
@@ -138,9 +151,11 @@ class WorkerSide:
         return counters
 
     def take_report(self) -> WorkerReport | None:
-        """Loads go in only through ``finished_loads``: vLLM must hear of a load before the
-        scheduler unpins its pages."""
+        """Asynchronous loads go in only through ``finished_loads``: vLLM must hear of one
+        before the scheduler unpins its pages. Synchronous ones go in here, after vLLM asked
+        for this step's finished loads: it must never hear of them."""
         self._collect(self._stores, self.report.stored)
+        self._collect(self._loads_within_step, self.report.loaded)     # after vLLM's finished_loads
         report, self.report = self.report, RankReport()
         return WorkerReport({self.rank: report}) if report else None
 
@@ -150,7 +165,7 @@ class WorkerSide:
         return set(self.report.loaded), set(self.report.load_failures)
 
     def close(self) -> None:
-        for batch in self._loads + self._stores:
+        for batch in self._loads + self._loads_within_step + self._stores:
             for t in batch.transfers:
                 t.wait()
         for region in self.regions.values():
