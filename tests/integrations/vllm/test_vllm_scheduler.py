@@ -236,7 +236,7 @@ def test_a_hit_vllm_trims_is_recomputed_not_raised_in_vllms_scheduler(stored):
 
 
 def test_lora_adapters_are_keyed_by_their_weights_not_their_name(tmp_path):
-    from hybridkv.integrations.vllm.scheduler import request_identity
+    from hybridkv.integrations.vllm.request_identity import request_identity
 
     def adapter(directory, weights):
         directory.mkdir()

@@ -10,10 +10,15 @@ V rows per head, GPU pages K|V per token), the model and its weights' identity, 
 the TP size, and each group's tensors per rank (shapes and dtypes: the KV-cache dtype, the
 state dtypes, the heads a rank holds), so a change of any of them misses instead of serving
 bytes that mean something else.
+
+Also the connector's own settings from ``kv_connector_extra_config`` (where disk and Redis
+reads run, whether a RAM hit loads in the step that runs its request) and the vLLM versions
+this release was tested with.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 
@@ -29,6 +34,7 @@ from hybridkv.core.errors import HybridKVError
 from hybridkv.core.layout import Group, GroupKind, Layout, TensorSpec
 from hybridkv.identity import checkpoint_revision, software_versions
 
+log = logging.getLogger(__name__)
 COMMIT = re.compile(r"[0-9a-f]{40}")
 # kv_connector_extra_config keys that belong to the integration, not to CacheConfig.
 INTEGRATION_KEYS = ("stats_file", "async_promotion", "load_within_step")
@@ -124,3 +130,44 @@ def cache_config_from_extra(extra: dict, block_tokens: int) -> CacheConfig:
             f"{block_tokens}; leave block_tokens out (it follows --block-size)")
     return load_config(overrides={**settings, "block_tokens": block_tokens,
                                   "engine_block_tokens": block_tokens})
+
+TESTED_VLLM = ("0.32.0",)
+
+
+def check_vllm_version() -> None:
+    """One start-up line naming the vLLM versions this release was tested with; a warning on
+    others (the connector touches a few of vLLM's internals: docs/vllm.md lists them)."""
+    import vllm
+
+    version = vllm.__version__.split("+")[0]
+    if version in TESTED_VLLM:
+        log.info("hybridkv: vLLM %s, a version this release was tested with", vllm.__version__)
+    else:
+        log.warning("hybridkv: vLLM %s is not one this release was tested with (%s); see the "
+                    "internals it relies on in docs/vllm.md", vllm.__version__, ", ".join(TESTED_VLLM))
+
+
+def async_promotion(extra: dict, vllm_config) -> bool:
+    """Read disk/Redis pages in the background? ``async_promotion`` in the extra config (true,
+    false, or "auto": only where vLLM recomputes a failed load, so a failed read costs a
+    recompute, never the request)."""
+    setting = extra.get("async_promotion", "auto")
+    if setting == "auto":
+        transfer = getattr(vllm_config, "kv_transfer_config", None)
+        return getattr(transfer, "kv_load_failure_policy", "fail") == "recompute"
+    if not isinstance(setting, bool):
+        raise HybridKVError(f"kv_connector_extra_config async_promotion={setting!r} is not valid; "
+                            'use true, false or "auto"')
+    return setting
+
+
+def load_within_step(extra: dict, kv_cache_config) -> bool:
+    """Copy a RAM hit in the step that runs its request (``load_within_step``, default true)?
+    Never for a model whose groups replay a window after a hit: vLLM may then accept fewer
+    tokens than the hit, and a synchronous load has no way to fail."""
+    setting = extra.get("load_within_step", True)
+    if not isinstance(setting, bool):
+        raise HybridKVError(f"kv_connector_extra_config load_within_step={setting!r} is not valid; "
+                            "use true or false")
+    groups = getattr(kv_cache_config, "kv_cache_groups", ())
+    return setting and not any(getattr(g.kv_cache_spec, "prefix_replay_tokens", 0) for g in groups)

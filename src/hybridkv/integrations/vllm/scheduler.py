@@ -32,9 +32,15 @@ from hybridkv.cache import TieredCache
 from hybridkv.connector import Connector, PageKind, RequestState
 from hybridkv.core.errors import HybridKVError
 from hybridkv.core.retention import replay_boundary
-from hybridkv.identity import checkpoint_revision
-from hybridkv.integrations.vllm.layout import cache_config_from_extra, layout_from_vllm
+from hybridkv.integrations.vllm.layout import (
+    async_promotion,
+    cache_config_from_extra,
+    check_vllm_version,
+    layout_from_vllm,
+    load_within_step,
+)
 from hybridkv.integrations.vllm.messages import Copy, RegionInfo, StepPlan, WorkerReport
+from hybridkv.integrations.vllm.request_identity import request_identity
 from hybridkv.integrations.vllm.stopping import drain_before_stop
 
 log = logging.getLogger(__name__)
@@ -484,77 +490,3 @@ class SchedulerSide:
     def _below_ram(self) -> bool:
         """Has the cache a tier below RAM (disk, Redis)?"""
         return len(self.cache.tier_names) > 1
-
-
-TESTED_VLLM = ("0.32.0",)
-
-
-def check_vllm_version() -> None:
-    """One start-up line naming the vLLM versions this release was tested with; a warning on
-    others (the connector touches a few of vLLM's internals: docs/vllm.md lists them)."""
-    import vllm
-
-    version = vllm.__version__.split("+")[0]
-    if version in TESTED_VLLM:
-        log.info("hybridkv: vLLM %s, a version this release was tested with", vllm.__version__)
-    else:
-        log.warning("hybridkv: vLLM %s is not one this release was tested with (%s); see the "
-                    "internals it relies on in docs/vllm.md", vllm.__version__, ", ".join(TESTED_VLLM))
-
-
-def async_promotion(extra: dict, vllm_config) -> bool:
-    """Read disk/Redis pages in the background? ``async_promotion`` in the extra config (true,
-    false, or "auto": only where vLLM recomputes a failed load, so a failed read costs a
-    recompute, never the request)."""
-    setting = extra.get("async_promotion", "auto")
-    if setting == "auto":
-        transfer = getattr(vllm_config, "kv_transfer_config", None)
-        return getattr(transfer, "kv_load_failure_policy", "fail") == "recompute"
-    if not isinstance(setting, bool):
-        raise HybridKVError(f"kv_connector_extra_config async_promotion={setting!r} is not valid; "
-                            'use true, false or "auto"')
-    return setting
-
-
-def load_within_step(extra: dict, kv_cache_config) -> bool:
-    """Copy a RAM hit in the step that runs its request (``load_within_step``, default true)?
-    Never for a model whose groups replay a window after a hit: vLLM may then accept fewer
-    tokens than the hit, and a synchronous load has no way to fail."""
-    setting = extra.get("load_within_step", True)
-    if not isinstance(setting, bool):
-        raise HybridKVError(f"kv_connector_extra_config load_within_step={setting!r} is not valid; "
-                            "use true or false")
-    groups = getattr(kv_cache_config, "kv_cache_groups", ())
-    return setting and not any(getattr(g.kv_cache_spec, "prefix_replay_tokens", 0) for g in groups)
-
-
-def request_identity(request) -> tuple[str | None, bytes | None]:
-    """Salt (vLLM's ``cache_salt`` and the LoRA adapter) and extra key data (multimodal
-    inputs): prompts that differ in any of these never share a page."""
-    salt = getattr(request, "cache_salt", None) or ""
-    lora = getattr(request, "lora_request", None)
-    if lora is not None:
-        salt += f"|lora:{adapter_identity(lora)}"
-    features = getattr(request, "mm_features", None) or []
-    ids = [str(getattr(f, "identifier", None) or getattr(f, "mm_hash", "")) for f in features]
-    extra = "|".join(ids).encode() if ids else None
-    return salt or None, extra
-
-
-_adapters: dict[tuple, str] = {}
-
-
-def adapter_identity(lora) -> str:
-    """A LoRA adapter by its weights, not its name: two servers sharing Redis with different
-    weights under one adapter name must not share pages. A local adapter directory is named
-    by a digest of its files, taken once per path and adapter id (vLLM keeps serving the
-    weights it loaded under an id, so a lookup never goes back to the disk for it);
-    otherwise the name, id and path are all there is."""
-    path = getattr(lora, "lora_path", None) or getattr(lora, "path", None)
-    if not (path and os.path.isdir(path)):
-        return f"{lora.lora_name}:{lora.lora_int_id}:{path}"
-    key = (os.path.realpath(path), lora.lora_int_id)
-    if key not in _adapters:
-        _adapters[key] = checkpoint_revision(path, extra_files=("adapter_config.json",))
-    return _adapters[key]
-
