@@ -88,7 +88,11 @@ def test_vllm_table_names_the_machine_when_the_run_recorded_it():
     results["machine"] = {"cpu": "AMD EPYC", "cores": 2, "torch": "2.13.0+cpu", "vllm": "0.32.0"}
     text = vllm_table(results)
     assert text.startswith("Machine: AMD EPYC, 2 cores; vLLM 0.32.0, torch 2.13.0+cpu.")
-    assert "| lfm2 | 2,048 | 200 ms (0 cached) |" in text and "| 8.0x / 4.0x |" in text
+    assert "| lfm2 | 2,048 | 200 ms (0 cached) |" in text and "| 8.0x / 4.0x | 1.25x | 2.00x |" in text
+    row["hybridkv_disk_async"] = {**ttft(0.04, 1920), "match_ms": 0.5}
+    row["hybridkv_disk"]["match_ms"], row["hybridkv_ram"]["match_ms"] = 20.0, 0.5
+    text = vllm_table(results)          # what the disk adds to the RAM hit, and the lookup's part
+    assert "| 50 ms | 20.0 ms | 40 ms | 0.5 ms | 0.03x | 25.0 ms | 19.5 ms |" in text
 
 
 def test_the_lookup_benchmark_times_lookups_during_and_after_a_scan_against_ram_only(tmp_path):
