@@ -93,6 +93,12 @@ def test_vllm_table_names_the_machine_when_the_run_recorded_it():
     row["hybridkv_disk"]["match_ms"], row["hybridkv_ram"]["match_ms"] = 20.0, 0.5
     text = vllm_table(results)          # what the disk adds to the RAM hit, and the lookup's part
     assert "| 50 ms | 20.0 ms | 40 ms | 0.5 ms | 0.03x | 25.0 ms | 19.5 ms |" in text
+    # newer runs: the ratios compare figures of one process (vLLM's own hit beside hybridkv's
+    # RAM hits, the RAM hit beside the disk restore)
+    row["vllm_local_beside_ram"] = ttft(0.0125, 1920)
+    row["hybridkv_ram_beside_disk"] = {**ttft(0.04, 1920), "match_ms": 1.0}
+    text = vllm_table(results)
+    assert "| 8.0x / 4.0x | 2.00x | 1.25x |" in text and "| 10.0 ms | 19.0 ms |" in text
 
 
 def test_the_lookup_benchmark_times_lookups_during_and_after_a_scan_against_ram_only(tmp_path):

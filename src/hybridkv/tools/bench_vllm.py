@@ -86,12 +86,17 @@ def bench_family(family: str, work: Path, reps: int, tp: int = 1) -> dict:
     one = {"max_tokens": 1}
     connector = {"store": str(work / f"store-{family}-tp{tp}"), "ram_bytes": "1GiB"}
     Path(connector["store"]).mkdir(parents=True, exist_ok=True)
-    # A: cold (hybridkv stores), then each repeat after emptying vLLM's cache: hybridkv RAM.
+    # A: cold (hybridkv stores), then each repeat after emptying vLLM's cache: hybridkv RAM,
+    # then each once more: vLLM's own prefix cache hits, in the same process (engine processes
+    # of one configuration differ by more than these figures on a small machine).
     a = _engine(work, f"{family}-A", model, family, connector,
+                [{"tokens": p, **one} for p in flat] + [{"tokens": p, "reset": True, **one} for p in flat]
+                + [{"tokens": p, **one} for p in flat], tp=tp)
+    # B: a new process on the same store: restore from disk, the reads inside the lookup, then
+    # each again after emptying vLLM's cache: a RAM hit in the same process;
+    # D: the disk restore with the reads in the background.
+    b = _engine(work, f"{family}-B", model, family, connector,
                 [{"tokens": p, **one} for p in flat] + [{"tokens": p, "reset": True, **one} for p in flat], tp=tp)
-    # B: a new process on the same store: restore from disk, the reads inside the lookup;
-    # D: the same with the reads in the background.
-    b = _engine(work, f"{family}-B", model, family, connector, [{"tokens": p, **one} for p in flat], tp=tp)
     d = _engine(work, f"{family}-D", model, family, connector, [{"tokens": p, **one} for p in flat],
                 transfer={"kv_load_failure_policy": "recompute"}, tp=tp)
     # C: stock vLLM: cold, then the repeat from its own prefix cache (the best case).
@@ -103,7 +108,9 @@ def bench_family(family: str, work: Path, reps: int, tp: int = 1) -> dict:
         row = {"tokens": n}
         for label, run, start in (("vllm_cold", c, k), ("vllm_local", c, total + k),
                                   ("hybridkv_cold", a, k), ("hybridkv_ram", a, total + k),
-                                  ("hybridkv_disk", b, k), ("hybridkv_disk_async", d, k)):
+                                  ("vllm_local_beside_ram", a, 2 * total + k),
+                                  ("hybridkv_disk", b, k), ("hybridkv_ram_beside_disk", b, total + k),
+                                  ("hybridkv_disk_async", d, k)):
             row[label] = _medians(run["requests"], start, reps) if "requests" in run else None
         rows.append(row)
     return {"family": family if tp == 1 else f"{family} TP={tp}", "tp": tp, "rows": rows,
