@@ -303,6 +303,8 @@ def vllm_table(results: dict) -> str:
                      if cold and ram and disk else "-")
             # the ratios compare runs in one process where the run has them (newer runs)
             own, ram_beside = r.get("vllm_local_beside_ram", r["vllm_local"]), r.get("hybridkv_ram_beside_disk", ram)
+            if not (r["vllm_local"] and r["vllm_local"]["cached"]):
+                own = None               # stock vLLM's own cache found nothing: no ratio to give
             lines.append(f"| {fam['family']} | {r['tokens']:,} | {cell(cold)} | {cell(r['vllm_local'])} | "
                          f"{cell(r['hybridkv_cold'])} | {cell(ram)} | {cell(disk)} | {speed} | "
                          f"{ratio(ram, own)} | {ratio(disk, ram_beside)} |")
