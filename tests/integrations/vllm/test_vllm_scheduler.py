@@ -235,6 +235,18 @@ def test_a_hit_vllm_trims_is_recomputed_not_raised_in_vllms_scheduler(stored):
     side.close()
 
 
+def test_a_load_within_the_step_that_vllm_trims_stops_rather_than_computes_from_unfilled_blocks(stored):
+    """vLLM runs such a request in this very step and hears of no failure, so recomputing it
+    is not on offer; hybridkv never offers a load within the step where vLLM may trim one."""
+    tmp_path, _ = stored
+    side = scheduler(tmp_path, policy="fail")
+    side.on_report(report(0, loaded={"earlier"}))          # the worker has mapped the regions
+    assert side.match(request(), 0) == 3 * B and side.loads_within_step("r")
+    with pytest.raises(HybridKVError, match="accepted 256 external tokens .* set load_within_step: false"):
+        side.allocated(request(), BLOCK_IDS, 2 * B)
+    side.close()
+
+
 def test_lora_adapters_are_keyed_by_their_weights_not_their_name(tmp_path):
     from hybridkv.integrations.vllm.request_identity import request_identity
 

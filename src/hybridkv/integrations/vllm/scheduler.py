@@ -216,6 +216,13 @@ class SchedulerSide:
             self._unpin(ctx)
             return
         expected = ctx.state.hit.tokens - ctx.local_tokens
+        if num_external_tokens != expected and ctx.within_step:
+            # vLLM runs the request this step and hears of no failure: computing it from blocks
+            # hybridkv did not fill would give wrong tokens (load_within_step excludes the
+            # models where vLLM trims a hit, so this is a vLLM change hybridkv does not know)
+            raise HybridKVError(f"vLLM accepted {num_external_tokens} external tokens for "
+                                f"{request.request_id} but hybridkv pinned {expected} for a load within "
+                                "the step; set load_within_step: false in kv_connector_extra_config")
         if num_external_tokens != expected:
             # Blocks of another hit size may not line up with a stored state: load nothing and
             # let vLLM recompute the request (its failure policy), never raise in its scheduler.
