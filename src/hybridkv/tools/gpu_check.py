@@ -125,6 +125,23 @@ def state_round_trip(device: torch.device, directory: Path) -> bool:
         region.close()
 
 
+def forward_reads_a_load(device: torch.device, directory: Path) -> bool:
+    """A load within the step (``load_for_forward``): the engine's stream reads the blocks right
+    after the call, with no wait on the transfer, as the forward does. On a GPU the copy is
+    queued on its own stream; only the engine stream's wait on it makes this read the pages."""
+    blocks, dims = 256, dict(layers=2, heads=8, tokens=16, width=128)
+    src = [fold_kernel_blocks(t, blocks) for t in attention_caches("LBNHC", blocks=blocks, device=device, **dims)]
+    region = _region(directory, "forward", blocks, block_bytes(src), device)
+    try:
+        ids = list(range(blocks))
+        PageCopier({0: src}, {0: region.page_bytes}).save(0, region, ids, ids).wait()
+        dst = [torch.zeros_like(t) for t in src]
+        PageCopier({0: dst}, {0: region.page_bytes}).load_for_forward(0, region, ids, ids)
+        return all(bool(torch.equal(_bits(a), _bits(b))) for a, b in zip(src, dst, strict=True))
+    finally:
+        region.close()
+
+
 def _median_s(fn, repeats: int, device: torch.device) -> float:
     times = []
     for _ in range(repeats):
@@ -208,6 +225,7 @@ def run(device: torch.device, pages: int, repeats: int, lengths: list[int] = (),
         out["round_trips"]["LBNHC split 2->LBHNC"] = round_trip("LBNHC", "LBHNC", device, directory, split=2)
         out["round_trips"]["LBHNC 2 ranks"] = round_trip("LBHNC", "LBNHC", device, directory, ranks=2)
         out["round_trips"]["state, padded"] = state_round_trip(device, directory)
+        out["round_trips"]["load read by the next forward"] = forward_reads_a_load(device, directory)
         out["bandwidth"] = [bandwidth(layout, device, directory, pages, repeats) for layout in ("LBNHC", "LBHNC")]
     out["engine"] = engine_restores(device, list(lengths), model, repeats) if lengths else []
     out["ok"] = all(out["round_trips"].values()) and all(
