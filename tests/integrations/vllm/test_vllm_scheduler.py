@@ -235,12 +235,33 @@ def test_a_hit_vllm_trims_is_recomputed_not_raised_in_vllms_scheduler(stored):
     side.close()
 
 
+def test_a_request_looked_up_again_keeps_its_pins_when_an_earlier_loads_acks_arrive(stored):
+    """Under asynchronous scheduling a request can be preempted right after a load within the
+    step and looked up again before the workers' reports of that load arrive: they must not
+    unpin the new hit's pages."""
+    tmp_path, _ = stored
+    side = scheduler(tmp_path, policy="fail")
+    side.on_report(report(0, mapped=True))
+    assert side.match(request(), 0) == 3 * B and side.loads_within_step("r")
+    targets = ([5, 6, 7, 8], [1, 2, 3, 4])
+    side.allocated(request(), targets, 3 * B)
+    (load,) = side.plan_step({"r": (3 * B, 3 * B + 1)}, lambda rid: targets, {}).loads_within_step
+    assert side.match(request(), 0) == 3 * B              # preempted, looked up again
+    pinned = lambda: sum(g["used"] - g["evictable"] for g in side.cache.stats()["groups"].values())  # noqa: E731
+    held = pinned()
+    side.on_report(report(0, loaded={load}))              # the first load's report, late
+    assert pinned() == held > 0
+    side.finish("r")
+    assert pinned() == 0
+    side.close()
+
+
 def test_a_load_within_the_step_that_vllm_trims_stops_rather_than_computes_from_unfilled_blocks(stored):
     """vLLM runs such a request in this very step and hears of no failure, so recomputing it
     is not on offer; hybridkv never offers a load within the step where vLLM may trim one."""
     tmp_path, _ = stored
     side = scheduler(tmp_path, policy="fail")
-    side.on_report(report(0, loaded={"earlier"}))          # the worker has mapped the regions
+    side.on_report(report(0, mapped=True))                 # the worker has mapped the regions
     assert side.match(request(), 0) == 3 * B and side.loads_within_step("r")
     with pytest.raises(HybridKVError, match="accepted 256 external tokens .* set load_within_step: false"):
         side.allocated(request(), BLOCK_IDS, 2 * B)
@@ -316,7 +337,7 @@ def test_two_ranks_store_and_load_their_slices_through_the_scheduler(tmp_path):
     targets = ([5, 6, 7, 8], [1, 2, 3, 4])         # other blocks this time, one more for the chunk
     side.allocated(request("r"), targets, 3 * B)
     plan = side.plan_step({"r": (3 * B, 3 * B + 1)}, lambda rid: targets, {})
-    assert plan.loads_within_step == {"r"}
+    (load,) = plan.loads_within_step                # an id of its own, not the request's
     empty = [{k: torch.zeros_like(v) for k, v in worker_tensors(0).items()} for _ in workers]
     merged = None
     for worker, tensors in zip(workers, empty, strict=True):
@@ -324,7 +345,7 @@ def test_two_ranks_store_and_load_their_slices_through_the_scheduler(tmp_path):
         worker.load(plan)
         assert worker.finished_loads() == (set(), set())      # vLLM expects no word of it
         part = worker.take_report()
-        assert part.ranks[worker.rank].loaded == {"r"}
+        assert part.ranks[worker.rank].loaded == {load}
         merged = part if merged is None else merged.aggregate(part)
     for src, dst in zip(sources, empty, strict=True):
         for b, (s_block, d_block) in enumerate(zip(BLOCK_IDS[1], targets[1][:3], strict=True)):
@@ -373,10 +394,14 @@ def test_a_load_runs_in_a_step_of_its_own_until_every_worker_mapped_the_regions(
     side.plan_step({}, None, {})
     side.on_report(report(0, loaded={"r"}))
     side.finish("r")
+    assert not side.loads_within_step("r")          # a load is not a mapping: a store or load says so
+    assert side.match(request("again"), 0) == 3 * B and not side.loads_within_step("again")
+    side.finish("again")
+    side.on_report(report(0, mapped=True))
     assert side.match(request("again"), 0) == 3 * B and side.loads_within_step("again")
     side.close()
     off = scheduler(tmp_path, policy="fail", load_within_step=False)
-    off.on_report(report(0, loaded={"x"}))
+    off.on_report(report(0, mapped=True))
     assert off.match(request("again"), 0) == 3 * B and not off.loads_within_step("again")
     off.close()
     with pytest.raises(HybridKVError, match="load_within_step='no' is not valid; use true or false"):

@@ -53,9 +53,10 @@ class RankReport:
     load_failures: set[str] = field(default_factory=set)
     stored: set[int] = field(default_factory=set)
     store_failures: set[int] = field(default_factory=set)
+    mapped: bool = False          # the worker has just mapped every RAM region
 
     def __bool__(self) -> bool:
-        return bool(self.loaded or self.load_failures or self.stored or self.store_failures)
+        return bool(self.loaded or self.load_failures or self.stored or self.store_failures or self.mapped)
 
 
 @dataclass

@@ -122,7 +122,9 @@ class SchedulerSide:
         self._abandoned: set[str] = set()             # finished while promoting: reported done
         self._load_acks: dict[str, _Acks] = {}        # loads some ranks have reported
         self._within: dict[str, list[Copy]] = {}      # allocated loads of this step's running requests
-        self._ranks_mapped: set[int] = set()          # ranks that copied once: their regions are mapped
+        self._within_loads: dict[str, _Request] = {}  # load id -> its request, until every rank loaded
+        self._next_load = 0
+        self._ranks_mapped: set[int] = set()          # ranks whose worker holds the regions mapped
         self._closed = False
         self.history: deque[dict] = deque(maxlen=256)     # the last finished requests, for operators
         self._reported = {"loaded_tokens": 0, "stored_pages": 0}   # at the last stats call
@@ -296,12 +298,17 @@ class SchedulerSide:
         cache (vLLM caches a synchronous load's blocks at once; 0.32 runs a request that hits
         them a step later, when they are filled, but nothing in its API promises that)."""
         state_groups = set(self.connector.state_groups)
-        loaded: dict[tuple[int, int], tuple[str, int]] = {}     # (group, block) -> (request, slot)
+        loaded: dict[tuple[int, int], tuple[str, int]] = {}     # (group, block) -> (load id, slot)
         for rid, copies in self._within.items():
-            plan.loads[rid] = copies
-            plan.loads_within_step.add(rid)
+            # an id of its own: a request preempted and looked up again must not be unpinned
+            # by the acknowledgements of this load
+            load = f"{rid}#{self._next_load}"
+            self._next_load += 1
+            self._within_loads[load] = self._requests[rid]
+            plan.loads[load] = copies
+            plan.loads_within_step.add(load)
             for c in (c for c in copies if c.group in state_groups):
-                loaded.update({(c.group, block): (rid, slot)
+                loaded.update({(c.group, block): (load, slot)
                                for slot, block in zip(c.slots, c.blocks, strict=True)})
         self._within = {}
         for rid, (start, end) in scheduled.items():
@@ -372,7 +379,7 @@ class SchedulerSide:
         rank is done with it and one failed: never a page with a missing slice, never a slot
         freed while a rank still writes it. A hit's pages stay pinned until every rank loaded."""
         for rank, part in (report.ranks.items() if report is not None else ()):
-            if part.stored or part.loaded:
+            if part.mapped:
                 self._ranks_mapped.add(rank)
             for rid in part.stored | part.store_failures:
                 self._acknowledge_store(rid, rank, rid in part.stored and rid not in part.store_failures)
@@ -404,9 +411,9 @@ class SchedulerSide:
             if req in self._requests:     # (a finished request's id is not kept)
                 self._failed_loads.add(req)
             self.stats.load_failures += 1
-        ctx = self._requests.get(req)
-        if ctx is not None and ctx.pinned:
-            self._unpin(ctx)
+        ctx = self._within_loads.pop(req, None) or self._requests.get(req)
+        if ctx is not None and ctx.pinned and self._requests.get(ctx.state.request_id) is ctx:
+            self._unpin(ctx)              # (a request finished or looked up again unpinned already)
 
     def _unpin(self, ctx: _Request) -> None:
         self.connector.release(ctx.state)

@@ -86,10 +86,13 @@ class WorkerSide:
         """Map the regions the first time a plan names them. On a GPU this registers them with
         CUDA; a registration that fails for good (``PinningFailed``) stops the engine with one
         line: copies from pageable memory would run at a fraction of the speed, silently."""
-        for gid, info in plan.regions.items():
-            if gid not in self.regions:
-                self.regions[gid] = SharedRegion.attach(info.path, info.slots, info.page_bytes,
-                                                        self.copier.pin_hook, self.rank)
+        missing = [gid for gid in plan.regions if gid not in self.regions]
+        for gid in missing:
+            info = plan.regions[gid]
+            self.regions[gid] = SharedRegion.attach(info.path, info.slots, info.page_bytes,
+                                                    self.copier.pin_hook, self.rank)
+        if missing:
+            self.report.mapped = True       # the scheduler may now plan loads within a step
 
     def load(self, plan: StepPlan) -> None:
         self.report.load_failures |= plan.failed_loads
