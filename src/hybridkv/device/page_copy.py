@@ -175,11 +175,6 @@ class PageCopier:
             return Transfer(seconds=time.perf_counter() - t0)
         return self._staged(group, host, slots, blocks, "load", feeds_forward)
 
-    def load_for_forward(self, group: int, region: SharedRegion, slots: Sequence[int],
-                         blocks: Sequence[int]) -> Transfer:
-        """``load`` for blocks the engine's next forward reads."""
-        return self.load(group, region, slots, blocks, feeds_forward=True)
-
     def synchronize(self) -> None:
         """Wait for every copy queued so far (before a failed batch is reported: no copy of
         it may still land in blocks or slots that are about to be reused)."""

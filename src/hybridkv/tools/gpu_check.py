@@ -126,7 +126,7 @@ def state_round_trip(device: torch.device, directory: Path) -> bool:
 
 
 def forward_reads_a_load(device: torch.device, directory: Path) -> bool:
-    """A load within the step (``load_for_forward``): the engine's stream reads the blocks right
+    """A load within the step (``feeds_forward``): the engine's stream reads the blocks right
     after the call, with no wait on the transfer, as the forward does. On a GPU the copy is
     queued on its own stream; only the engine stream's wait on it makes this read the pages."""
     blocks, dims = 256, dict(layers=2, heads=8, tokens=16, width=128)
@@ -136,7 +136,7 @@ def forward_reads_a_load(device: torch.device, directory: Path) -> bool:
         ids = list(range(blocks))
         PageCopier({0: src}, {0: region.page_bytes}).save(0, region, ids, ids).wait()
         dst = [torch.zeros_like(t) for t in src]
-        PageCopier({0: dst}, {0: region.page_bytes}).load_for_forward(0, region, ids, ids)
+        PageCopier({0: dst}, {0: region.page_bytes}).load(0, region, ids, ids, feeds_forward=True)
         return all(bool(torch.equal(_bits(a), _bits(b))) for a, b in zip(src, dst, strict=True))
     finally:
         region.close()

@@ -174,7 +174,7 @@ class SchedulerSide:
             return 0
         if self._can_load_within_step(ctx):
             ctx.within_step = True
-        elif not state.loaded:                            # a read into RAM failed: recompute
+        elif state.loaded is None:                        # a read into RAM failed: recompute
             ctx.pinned = False
             return 0
         return state.hit.tokens - num_computed_tokens

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import partial
 
 from hybridkv.core.errors import HybridKVError
 from hybridkv.device.page_copy import PageCopier, Transfer
@@ -100,7 +101,7 @@ class WorkerSide:
         now = {rid: c for rid, c in plan.loads.items() if rid in plan.loads_within_step}
         later = {rid: c for rid, c in plan.loads.items() if rid not in plan.loads_within_step}
         if now:
-            batch = self._copy("load", plan, now, self.copier.load_for_forward, set(now))
+            batch = self._copy("load", plan, now, partial(self.copier.load, feeds_forward=True), set(now))
             if batch is None:
                 raise HybridKVError(f"hybridkv: the loads of requests {sorted(now)} failed in the step "
                                     "that runs them; their tokens would be computed from unfilled blocks. "
