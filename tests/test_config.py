@@ -56,6 +56,9 @@ def test_json_config(tmp_path):
     ({"remote_ttl_s": -5}, "remote_ttl_s must be > 0"),
     ({"remote": "redis://[bad"}, "remote URL is malformed"),
     ({"remote": "redis://host:notaport/0"}, "remote URL is malformed"),
+    ({"state_align": "sometimes"}, "state_align: 'sometimes' is invalid; use auto"),
+    ({"state_align": -64}, "state_align: -64 is invalid"),
+    ({"state_align": 96}, "state_align 96 is not a multiple of block_tokens 64"),
 ])
 def test_config_errors(overrides, fragment):
     with pytest.raises(HybridKVError) as info:
@@ -76,3 +79,10 @@ def test_retention_parsing():
     with pytest.raises(HybridKVError):
         parse_retention(-64)
     assert CacheConfig().retention == 0
+
+
+def test_state_align_is_learned_unless_given():
+    assert CacheConfig().state_align is None
+    assert load_config(overrides={"state_align": "auto"}, environ={}).state_align is None
+    assert load_config(environ={"HYBRIDKV_STATE_ALIGN": "512"}).state_align == 512
+    assert load_config(overrides={"state_align": 0}, environ={}).state_align == 0

@@ -371,3 +371,49 @@ def test_lazy_state_lookup_finds_the_hit_an_eager_one_finds(tmp_path, seed):
         expected = _eager_hit(cache, conn, ids)
         assert conn.begin("lazy", ids).hit == expected
     fs.close()
+
+
+def _serve(conn, rid, prompt):
+    """One request the way an engine runs it: look up, load, offer what the connector wants."""
+    req = conn.begin(rid, prompt)
+    if req.hit_tokens:
+        assert conn.load(req) is not None
+    for boundary in range(req.hit_tokens + B, len(prompt) + 1, B):
+        if conn.wants_block(req, boundary // B - 1):
+            conn.offer_block(req, boundary // B - 1, {0: page(0, boundary)})
+        if conn.wants_state(req, boundary):
+            conn.offer_state(req, boundary, {1: page(1, boundary)})
+    conn.finish(req)
+    return req
+
+
+@pytest.mark.parametrize("chunk, learned", [(4 * B, 4 * B), (B, B)])
+def test_the_connector_learns_where_prompts_diverge(tmp_path, chunk, learned):
+    """Follow-ups that leave a shared document at multiples of ``chunk`` tokens: after enough
+    of them the prompt's own state moves to the deepest multiple (and the tail states go);
+    divergences on any block keep the replay boundary and the tail."""
+    rng = np.random.default_rng(chunk)
+    document = tokens(40 * B, 0)
+    with TieredCache(LAYOUT, CacheConfig(block_tokens=B, ram_bytes=64 * 1024**2, ram_dir=str(tmp_path))) as cache:
+        conn = Connector(cache)
+        assert conn.retention.tail == 1 and conn.stats["state_align_tokens"] == B
+        for i in range(80):
+            shared = chunk * int(rng.integers(1, 40 * B // chunk))
+            _serve(conn, f"r{i}", document[:shared] + tokens(int(rng.integers(B + 1, 3 * B)), 100 + i))
+        assert conn.stats["state_align_tokens"] == learned
+        n = 30 * B + 5 * B // 2                     # replay boundary 30.5 blocks in: block 32 -> 30
+        req = conn.begin("probe", tokens(n, 999))
+        kept = [b for b in range(B, n, B) if conn.wants_state(req, b)]
+        conn.finish(req)
+    assert kept == ([(n - 1) // B * B // learned * learned] if learned > B
+                    else [(n - 1) // B * B - B, (n - 1) // B * B])
+
+
+def test_a_given_state_alignment_is_not_relearned(tmp_path):
+    config = CacheConfig(block_tokens=B, ram_bytes=1024**2, ram_dir=str(tmp_path), state_align=2 * B)
+    with TieredCache(LAYOUT, config) as cache:
+        conn = Connector(cache)
+        assert conn.alignment is None and conn.retention.align == 2 * B
+        for i in range(70):
+            _serve(conn, f"r{i}", tokens(3 * B + 1, 7)[: B * (1 + i % 3) + 1] + tokens(2 * B, 200 + i))
+        assert conn.retention.align == 2 * B and conn.stats["state_align_tokens"] == 2 * B

@@ -46,6 +46,20 @@ def parse_retention(value) -> int | None:
     return value
 
 
+def parse_state_align(value) -> int | None:
+    """``auto`` -> None (learned from the traffic); else tokens >= 0 (0: the replay boundary)."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return None
+    try:
+        tokens = int(str(value).strip()) if not isinstance(value, bool) else -1
+    except ValueError:
+        tokens = -1
+    if tokens < 0:
+        raise HybridKVError(f"state_align: {value!r} is invalid; use auto, 0 (the replay boundary) "
+                            "or a token count such as 512")
+    return tokens
+
+
 def setting(default, help: str):
     """A config field; ``help`` is its documentation and the text of its CLI flag."""
     return field(default=default, metadata={"help": help})
@@ -61,6 +75,7 @@ class CacheConfig:
     eviction: str = setting("lru", f"RAM eviction policy: {' or '.join(POLICIES)} (default lru)")
     retention: int | None = setting(0, "recurrent states kept: dense, 0 (semantic, default) or an interval in tokens")
     tail_states: int = setting(1, "states also kept this many blocks before each prompt's end, for follow-ups that change its last block (default 1)")
+    state_align: int | None = setting(None, "where each prompt's own state is kept: auto (default, learned from where prompts diverge), 0 (its replay boundary) or N (the deepest multiple of N tokens)")
     reference_tokens: int | None = setting(None, "typical request length the pools are sized for (default: the model's maximum)")
     engine_block_tokens: int | None = setting(None, "the serving engine's own block size, when it has one (checked against block_tokens)")
     ram_dir: str = setting("/dev/shm", "directory of the shared RAM regions, a tmpfs (default /dev/shm)")
@@ -89,6 +104,9 @@ class CacheConfig:
             )
         if isinstance(self.tail_states, bool) or not isinstance(self.tail_states, int) or self.tail_states < 0:
             raise HybridKVError(f"tail_states must be an integer >= 0, got {self.tail_states!r}")
+        if self.state_align and self.state_align % self.block_tokens:
+            raise HybridKVError(f"state_align {self.state_align} is not a multiple of block_tokens "
+                                f"{self.block_tokens}; use auto, 0 or e.g. {2 * self.block_tokens}")
         if self.reference_tokens is not None and self.reference_tokens < self.block_tokens:
             raise HybridKVError(
                 f"reference_tokens {self.reference_tokens} is shorter than one block "
@@ -137,6 +155,8 @@ def _coerce(name: str, value):
         return parse_size(value, name)
     if name == "retention":
         return parse_retention(value)
+    if name == "state_align":
+        return parse_state_align(value)
     if name in _INT_FIELDS:
         if isinstance(value, int) and not isinstance(value, bool):
             return value

@@ -8,6 +8,7 @@ guessing positions. Offers that RAM refuses now stay pending and are retried eac
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import time
@@ -22,7 +23,13 @@ import numpy as np
 from hybridkv.cache import PageCache, store_pages
 from hybridkv.core.keys import block_hashes
 from hybridkv.core.layout import GroupKind, Layout
-from hybridkv.core.retention import Hit, Retention, compute_hit
+from hybridkv.core.retention import (
+    DivergenceAlignment,
+    Hit,
+    Retention,
+    compute_hit,
+    replay_boundary,
+)
 from hybridkv.promotion import Load
 
 log = logging.getLogger(__name__)
@@ -97,12 +104,18 @@ class Connector:
         self.cache = cache
         self.layout: Layout = cache.layout
         self.B = self.layout.block_tokens
-        self.retention = retention or Retention(self.B, cache.config.retention, cache.config.tail_states)
+        config = cache.config
+        self.retention = retention or Retention(self.B, config.retention, config.tail_states, config.state_align or 0)
+        self._tail = self.retention.tail
+        # state_align: auto learns where prompts diverge (see DivergenceAlignment)
+        self.alignment = (DivergenceAlignment(self.B) if config.state_align is None
+                          and not self.retention.dense else None)
         self.groups = self.layout.cacheable_groups
         self.token_groups = [g.id for g in self.groups if g.is_token_group]
         self.state_groups = [g.id for g in self.groups if g.kind is GroupKind.STATE]
         self.stats = {"requests": 0, "hit_tokens": 0, "prompt_tokens": 0, "offers_retried": 0,
-                      "offers_dropped": 0, "pages_stored": 0, "offers_pending": 0}
+                      "offers_dropped": 0, "pages_stored": 0, "offers_pending": 0,
+                      "state_align_tokens": self.retention.align or self.B}
         self._epoch = b""          # enters every key; a new one when the weights change
 
     # -- lookup and load --------------------------------------------------------------------
@@ -127,9 +140,22 @@ class Connector:
         else:
             req.keys = block_hashes(tokens, self.B, salt, tail)
         req.hit = self._find_hit(req, located)
+        if self.alignment is not None and self.alignment.observe(req.hit.attention_tokens,
+                                                                 replay_boundary(req.n_tokens, self.B)):
+            self._realign(self.alignment.align)
         self.stats["requests"] += 1
         self.stats["prompt_tokens"] += req.n_tokens
         return req
+
+    def _realign(self, align: int) -> None:
+        """Keep each prompt's state at the learned alignment. Past one block it replaces the
+        tail states: the aligned boundary is the one of them a follow-up can share."""
+        aligned = align > self.B
+        self.retention = dataclasses.replace(self.retention, align=align if aligned else 0,
+                                             tail=0 if aligned else self._tail)
+        self.stats["state_align_tokens"] = align
+        log.info("prompts diverge at multiples of %d tokens: each prompt's state is kept there%s",
+                 align, ", without tail states" if aligned else "")
 
     PREFETCH_FIRST_BLOCKS = 16      # the first part keyed and looked up while prefetching
 

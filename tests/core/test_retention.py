@@ -2,7 +2,7 @@ import pytest
 
 from hybridkv.core.errors import HybridKVError
 from hybridkv.core.layout import Group
-from hybridkv.core.retention import Retention, compute_hit, replay_boundary
+from hybridkv.core.retention import DivergenceAlignment, Retention, compute_hit, replay_boundary
 
 B = 64
 ATT = Group(0, "attention", 100)
@@ -109,3 +109,39 @@ def test_tail_keeps_the_states_just_before_the_replay_boundary():
     assert kept(Retention(B, 256, tail=1), 1000) == [256, 512, 768, 896, 960]
     assert Retention(B, 0, tail=1).states_per_prompt(300) == 2
     assert Retention(B, 0, tail=3).states_per_prompt(130) == 2    # only two boundaries exist
+
+
+def test_aligned_prompt_state_sits_on_the_deepest_multiple_up_to_the_replay_boundary():
+    r = Retention(B, 0, align=128)
+    assert r.prompt_state(300) == 256 and kept(r, 300) == [256]
+    assert r.prompt_state(350) == 256 and kept(r, 350) == [256]         # replay 320 is no multiple of 128
+    assert kept(r, 350, junction=320) == [256, 320]
+    assert kept(r, 100) == [] and r.states_per_prompt(100) == 0         # replay 64 < 128: no own state
+    assert kept(Retention(B, 0, tail=1, align=128), 350) == [192, 256]  # the tail counts back from it
+    assert kept(Retention(B, 256, align=128), 600) == [256, 512]        # periodic and aligned coincide
+    assert Retention(B, 256, align=128).states_per_prompt(600) == 2
+    assert Retention(B, 256, align=128).states_per_prompt(900) == 4     # 256, 512, 768 and its own at 896
+    with pytest.raises(HybridKVError, match="alignment 100 is not a multiple"):
+        Retention(B, 0, align=100)
+
+
+def test_alignment_is_learned_from_where_prompts_diverge():
+    learner = DivergenceAlignment(B, min_samples=10)
+    changed = [learner.observe(512 * k, 10_000) for k in range(1, 10)]
+    assert learner.align == B and not any(changed)            # too few divergences seen yet
+    assert learner.observe(512 * 3, 10_000) and learner.align == 512
+    learner.observe(0, 10_000)                                # no match, and a match up to the
+    learner.observe(9984, 9984)                               # replay boundary: not divergences
+    assert learner.seen == 10 and learner.align == 512
+    assert learner.observe(5 * B, 10_000) and learner.align == B     # 1 in 11 off the grid
+
+
+def test_learned_alignment_tolerates_a_few_divergences_off_the_grid_and_follows_the_traffic():
+    learner = DivergenceAlignment(B, min_samples=20, window=40)
+    for k in range(1, 40):
+        learner.observe((2 * k + 1) * 256 if k % 30 == 0 else 512 * k, 100_000)
+    assert learner.align == 512                               # 1 of 39 at an odd multiple of 256
+    for k in range(1, 200):                                   # the traffic changes: arbitrary blocks
+        learner.observe(k * B, 100_000)
+    assert learner.align == B
+    assert DivergenceAlignment(B, max_blocks=4, min_samples=1).observe(B * 64, 10**6)

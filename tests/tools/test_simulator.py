@@ -125,14 +125,27 @@ def test_tail_state_serves_a_follow_up_that_changes_the_last_block(tmp_path):
     assert tail.prefill_tokens_saved == 3 * 512 == tail.servable_tokens
 
 
+def test_learned_alignment_keeps_one_state_where_follow_ups_resume(tmp_path):
+    """Chat sessions recorded in 512-token hash blocks (twice the layout's block): every
+    follow-up leaves the cached tokens at a multiple of 512, so once the connector has seen
+    that, one state a prompt at the deepest multiple serves what the replay and tail states
+    served together, for half the state pages."""
+    prompts = _prompts(tmp_path, list(multi_turn_trace(sessions=60, turns=5, active=12)))
+    tail = replay(LAYOUT, prompts, HUGE, policy("semantic-tail"))
+    aligned = replay(LAYOUT, prompts, HUGE, policy("semantic-aligned"))
+    assert aligned.wrong_hits == 0 == tail.wrong_hits
+    assert aligned.prefill_tokens_saved >= tail.prefill_tokens_saved > 0
+    assert aligned.ram_bytes_stored < 0.9 * tail.ram_bytes_stored
+
+
 def test_compare_runs_every_policy_under_the_unlimited_ceiling(tmp_path):
     prompts = _prompts(tmp_path, list(multi_turn_trace(sessions=30, turns=4, active=8)))
     budgets = [2 * 1024**2, 8 * 1024**2, 64 * 1024**2]
     c = compare(LAYOUT, prompts, budgets, "multi_turn", reference_tokens=2048)
     out = c.to_json()
     assert set(out["policies"]) == {"dense", "vllm-align", "semantic", "semantic-tail", "periodic-4096",
-                                    "periodic-16384", "marconi"}
-    assert out["recommended"] == "semantic-tail" and c.wrong_hits() == 0
+                                    "periodic-16384", "marconi", "semantic-aligned"}
+    assert out["recommended"] == "semantic-aligned" and c.wrong_hits() == 0
     for rates in [p["token_hit_rate"] for p in out["policies"].values()] + [out["ceiling_equal_bytes"]]:
         assert len(rates) == 3 and all(0 <= r <= out["ceiling_unlimited"] for r in rates)
     assert out["ceiling_equal_bytes"][-1] > 0 and len(out["best"]) == 3
@@ -150,7 +163,7 @@ def test_simulate_cli_compare_json_and_plot(tmp_path):
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["budgets"] == [4 * 1024**2, 64 * 1024**2]
-    assert set(out["policies"]) == {"semantic", "vllm-align", "semantic-tail"}
+    assert set(out["policies"]) == {"semantic", "vllm-align", "semantic-aligned"}
     assert chart.stat().st_size > 1000
     single = cli("simulate", "--trace", trace, "--layout", layout, "--ram-bytes", "64MiB", "--policy", "dense")
     assert single.returncode == 0 and "wrong hits 0" in single.stdout, single.stderr

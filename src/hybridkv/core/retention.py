@@ -21,14 +21,17 @@ def replay_boundary(n_tokens: int, block_tokens: int) -> int:
 
 @dataclass(frozen=True)
 class Retention:
-    """``interval``: None = dense, 0 = semantic (replay + junctions), N = semantic + every N.
-    ``tail``: states also kept at the ``tail`` boundaries just before the replay boundary, so
-    a follow-up that shares the prompt except its last block (a chat template that re-renders
-    the end of a turn, a trace whose last block is partial) still finds a state."""
+    """``interval``: None = dense, 0 = semantic (prompt end + junctions), N = semantic + every N.
+    ``align``: the prompt's own state sits at the deepest multiple of ``align`` tokens up to its
+    replay boundary (0: the replay boundary itself), where follow-ups diverge when prompts
+    share whole chunks of that size. ``tail``: states also kept at the ``tail`` boundaries just
+    before that one, so a follow-up that shares the prompt except its last block (a chat
+    template that re-renders the end of a turn) still finds a state."""
 
     block_tokens: int
     interval: int | None = 0
     tail: int = 0
+    align: int = 0
 
     def __post_init__(self):
         if self.interval is not None and (self.interval < 0 or self.interval % self.block_tokens):
@@ -36,18 +39,26 @@ class Retention:
                 f"retention {self.interval} is not a multiple of the block size {self.block_tokens}; "
                 f"use 0, dense or e.g. {8 * self.block_tokens}"
             )
+        if self.align < 0 or self.align % self.block_tokens:
+            raise HybridKVError(f"state alignment {self.align} is not a multiple of the block size "
+                                f"{self.block_tokens}; use auto or e.g. {2 * self.block_tokens}")
 
     @property
     def dense(self) -> bool:
         return self.interval is None
 
+    def prompt_state(self, n_tokens: int) -> int:
+        """The boundary of the state kept for the prompt itself (0: none)."""
+        replay = replay_boundary(n_tokens, self.block_tokens)
+        return replay // self.align * self.align if self.align else replay
+
     def keeps(self, boundary: int, n_tokens: int, junction: int | None = None) -> bool:
         """O(1): is a state kept at ``boundary`` for a prompt of ``n_tokens``?"""
         B = self.block_tokens
-        replay = replay_boundary(n_tokens, B)
-        if boundary <= 0 or boundary % B or boundary > replay:
+        end = self.prompt_state(n_tokens)
+        if boundary <= 0 or boundary % B or boundary > replay_boundary(n_tokens, B):
             return False
-        if self.interval is None or boundary in (replay, junction) or replay - boundary <= self.tail * B:
+        if self.interval is None or boundary == junction or 0 <= end - boundary <= self.tail * B:
             return True
         return self.interval > 0 and boundary % self.interval == 0
 
@@ -59,11 +70,56 @@ class Retention:
             return 0
         if self.interval is None:
             return replay // B
-        tail = min(self.tail, replay // B - 1)
+        end = self.prompt_state(n_tokens)
+        own = 1 + min(self.tail, end // B - 1) if end else 0
         if self.interval == 0:
-            return 1 + tail
+            return own
         periodic = replay // self.interval
-        return periodic + (0 if replay % self.interval == 0 else 1) + tail
+        return periodic + own - (1 if end and end % self.interval == 0 else 0)
+
+
+class DivergenceAlignment:
+    """Learns where prompts part ways, to keep each prompt's state where a follow-up resumes.
+
+    A follow-up restores from the deepest state at or before the point where its tokens leave
+    the cached ones. When traffic shares whole chunks (a trace recorded in 512-token hash
+    blocks; an engine that caches whole chunks), that point is always a multiple of the chunk,
+    and one state at the deepest multiple serves every follow-up that a state at the replay
+    boundary plus tail states would: half the state bytes. ``observe`` takes how deep a
+    prompt's attention pages matched when that fell short of its replay boundary (a real
+    divergence, whatever states exist); ``align`` is the largest power-of-two multiple of the
+    block that at least ``share`` of the last ``window`` divergences fall on, or the block
+    itself until ``min_samples`` were seen."""
+
+    def __init__(self, block_tokens: int, max_blocks: int = 64, min_samples: int = 64,
+                 share: float = 0.95, window: int = 4096):
+        self.B, self.levels = block_tokens, max_blocks.bit_length() - 1
+        self.min_samples, self.share, self.window = min_samples, share, window
+        self.counts = [0] * (self.levels + 1)      # divergences on a multiple of B * 2**level
+        self.seen = 0
+
+    def observe(self, matched: int, replay: int) -> bool:
+        """Record one prompt; True when ``align`` changed."""
+        if not 0 < matched < replay:
+            return False
+        before = self.align
+        if self.seen >= self.window:        # forget evenly so the estimate follows the traffic
+            self.counts = [c // 2 for c in self.counts]
+            self.seen //= 2
+        blocks = matched // self.B
+        for level in range(self.levels + 1):
+            if blocks % (1 << level):
+                break
+            self.counts[level] += 1
+        self.seen += 1
+        return self.align != before
+
+    @property
+    def align(self) -> int:
+        if self.seen < self.min_samples:
+            return self.B
+        level = max(lv for lv in range(self.levels + 1) if self.counts[lv] >= self.share * self.seen)
+        return self.B << level
 
 
 @dataclass(frozen=True)

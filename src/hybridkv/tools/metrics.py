@@ -22,7 +22,8 @@ TIER_FIELDS = (("hits", "pages served from the tier"),
                ("evictions", "pages evicted by the tier's quota"),
                ("skipped_stores", "stores skipped while the tier was unavailable"),
                ("outages", "times the tier became unreachable"))
-CONNECTOR_GAUGES = {"offers_pending": "page offers RAM has not taken yet"}
+CONNECTOR_GAUGES = {"offers_pending": "page offers RAM has not taken yet",
+                    "state_align_tokens": "each prompt's state is kept at a multiple of this many tokens"}
 
 
 def to_prometheus(stats: dict, prefix: str = "hybridkv") -> str:

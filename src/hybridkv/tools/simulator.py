@@ -57,7 +57,8 @@ class Policy:
     """``retention``: dense (None), 0 (semantic) or an interval; ``junctions``: keep a state
     where attention reached deeper than any state; ``eviction``: lru, arc or ``flop`` (recency
     weighed against recompute FLOPs saved per byte, ``alpha`` the weight); ``states=False``
-    makes state pages cost nothing (the attention-only ceiling)."""
+    makes state pages cost nothing (the attention-only ceiling); ``align``: where each
+    prompt's own state sits (0: its replay boundary, None: learned from the traffic)."""
 
     name: str
     retention: int | None = 0
@@ -66,26 +67,30 @@ class Policy:
     alpha: float = 0.0
     states: bool = True
     tail: int = 0
+    align: int | None = 0
 
     def keeper(self, block_tokens: int) -> Retention:
         kind = Retention if self.junctions else PromptEndOnly
-        return kind(block_tokens, self.retention, self.tail)
+        return kind(block_tokens, self.retention, self.tail, self.align or 0)
 
 
-RECOMMENDED = "semantic-tail"
-POLICY_NAMES = ("dense", "vllm-align", "semantic", "semantic-tail", "periodic-N", "marconi")
+RECOMMENDED = "semantic-aligned"
+POLICY_NAMES = ("dense", "vllm-align", "semantic", "semantic-tail", "semantic-aligned", "periodic-N", "marconi")
 
 
 def policy(name: str) -> Policy:
-    """A named policy: dense, vllm-align, semantic, periodic-N (N tokens) or marconi."""
+    """A named policy: dense, vllm-align, semantic, semantic-tail, semantic-aligned,
+    periodic-N (N tokens) or marconi."""
     if name == "dense":
         return Policy(name, retention=None)
     if name == "vllm-align":
         return Policy(name, junctions=False)
     if name == "semantic":
         return Policy(name)
-    if name == "semantic-tail":       # hybridkv's default: semantic plus the state a block before the end
+    if name == "semantic-tail":       # semantic plus the state a block before the end
         return Policy(name, tail=1)
+    if name == "semantic-aligned":    # hybridkv's default: semantic-tail until it learns where prompts diverge
+        return Policy(name, tail=1, align=None)
     if name == "marconi":     # branch-point states (junctions) and FLOP-aware eviction
         return Policy(name, eviction="flop", alpha=1.0)
     if name.startswith("periodic-") and name[9:].isdigit() and int(name[9:]) > 0:
@@ -172,7 +177,7 @@ def replay(layout: Layout, requests: Sequence[np.ndarray] | Iterable[np.ndarray]
         layout = attention_only(layout)
     B = layout.block_tokens
     config = CacheConfig(block_tokens=B, ram_bytes=budget_bytes, eviction="lru" if pol.eviction == "flop"
-                         else pol.eviction, retention=pol.retention, tail_states=pol.tail,
+                         else pol.eviction, retention=pol.retention, tail_states=pol.tail, state_align=pol.align,
                          reference_tokens=reference_tokens)
     flop_aware = pol.eviction == "flop"
     block_cost, state_cost = {}, {}      # key -> recompute FLOPs its page saves, per byte

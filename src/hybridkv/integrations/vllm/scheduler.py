@@ -31,7 +31,6 @@ from pathlib import Path
 from hybridkv.cache import TieredCache
 from hybridkv.connector import Connector, PageKind, RequestState
 from hybridkv.core.errors import HybridKVError
-from hybridkv.core.retention import replay_boundary
 from hybridkv.integrations.vllm.layout import (
     async_promotion,
     cache_config_from_extra,
@@ -199,12 +198,13 @@ class SchedulerSide:
     def _ask_for_state(self, request, state: RequestState) -> None:
         """vLLM materializes a recurrent state only where a chunk ends. Its own stops need not
         fall on this cache's kept boundaries (its tail stop follows the hash block size), so
-        ask it to stop at the junction, or else at the replay boundary when that is missing.
-        vLLM offers one such stop per request (``shared_prefix_boundary``)."""
+        ask it to stop at the junction, or else at the prompt's own state (its replay boundary,
+        or the learned alignment's multiple below it) when that is missing. vLLM offers one
+        such stop per request (``shared_prefix_boundary``)."""
         if not self.connector.state_groups or getattr(request, "shared_prefix_boundary", 1):
             return
-        replay = replay_boundary(state.n_tokens, self.B)
-        target = state.hit.junction or (replay if state.hit.tokens < replay else 0)
+        end = self.connector.retention.prompt_state(state.n_tokens)
+        target = state.hit.junction or (end if state.hit.tokens < end else 0)
         if target:
             request.shared_prefix_boundary = target
             self.stats.junctions_requested += bool(state.hit.junction)
