@@ -401,7 +401,7 @@ def test_the_connector_learns_where_prompts_diverge(tmp_path, chunk, learned):
             shared = chunk * int(rng.integers(1, 40 * B // chunk))
             _serve(conn, f"r{i}", document[:shared] + tokens(int(rng.integers(B + 1, 3 * B)), 100 + i))
         assert conn.stats["state_align_tokens"] == learned
-        n = 30 * B + 5 * B // 2                     # replay boundary 30.5 blocks in: block 32 -> 30
+        n = 30 * B + B // 2                         # replay boundary 30 blocks in, 28 on the 4-block grid
         req = conn.begin("probe", tokens(n, 999))
         kept = [b for b in range(B, n, B) if conn.wants_state(req, b)]
         conn.finish(req)

@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import secrets
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -63,6 +63,7 @@ class RequestState:
     local_blocks: int = 0      # leading blocks the engine already holds itself
     loaded: Load | None = None     # the hit's pages, pinned (or some still promoting)
     where: dict[int, list[str | None]] = field(default_factory=dict)   # tier per (group, block)
+    retention: Retention | None = None     # the connector's when the request began, for all its stores
 
     @property
     def hit_tokens(self) -> int:
@@ -105,17 +106,21 @@ class Connector:
         self.layout: Layout = cache.layout
         self.B = self.layout.block_tokens
         config = cache.config
-        self.retention = retention or Retention(self.B, config.retention, config.tail_states, config.state_align or 0)
+        self.retention = retention or Retention(self.B, config.retention, config.tail_states)
         self._tail = self.retention.tail
-        # state_align: auto learns where prompts diverge (see DivergenceAlignment)
-        self.alignment = (DivergenceAlignment(self.B) if config.state_align is None
+        # state_align: auto learns where prompts diverge (see DivergenceAlignment), unless the
+        # caller chose the retention itself
+        self.alignment = (DivergenceAlignment(self.B) if config.state_align is None and retention is None
                           and not self.retention.dense else None)
+        self._observed: OrderedDict[str, None] = OrderedDict()   # request ids learned from
         self.groups = self.layout.cacheable_groups
         self.token_groups = [g.id for g in self.groups if g.is_token_group]
         self.state_groups = [g.id for g in self.groups if g.kind is GroupKind.STATE]
         self.stats = {"requests": 0, "hit_tokens": 0, "prompt_tokens": 0, "offers_retried": 0,
                       "offers_dropped": 0, "pages_stored": 0, "offers_pending": 0,
-                      "state_align_tokens": self.retention.align or self.B}
+                      "state_align_tokens": self.B}
+        if config.state_align and retention is None:
+            self._realign(config.state_align)
         self._epoch = b""          # enters every key; a new one when the weights change
 
     # -- lookup and load --------------------------------------------------------------------
@@ -140,12 +145,22 @@ class Connector:
         else:
             req.keys = block_hashes(tokens, self.B, salt, tail)
         req.hit = self._find_hit(req, located)
-        if self.alignment is not None and self.alignment.observe(req.hit.attention_tokens,
-                                                                 replay_boundary(req.n_tokens, self.B)):
-            self._realign(self.alignment.align)
+        self._learn_alignment(req)
+        req.retention = self.retention
         self.stats["requests"] += 1
         self.stats["prompt_tokens"] += req.n_tokens
         return req
+
+    LEARNED_IDS = 4096      # a request looked up again (vLLM: waiting, preempted) counts once
+
+    def _learn_alignment(self, req: RequestState) -> None:
+        if self.alignment is None or req.request_id in self._observed:
+            return
+        self._observed[req.request_id] = None
+        if len(self._observed) > self.LEARNED_IDS:
+            self._observed.popitem(last=False)
+        if self.alignment.observe(req.hit.attention_tokens, replay_boundary(req.n_tokens, self.B)):
+            self._realign(self.alignment.align)
 
     def _realign(self, align: int) -> None:
         """Keep each prompt's state at the learned alignment. Past one block it replaces the
@@ -154,7 +169,7 @@ class Connector:
         self.retention = dataclasses.replace(self.retention, align=align if aligned else 0,
                                              tail=0 if aligned else self._tail)
         self.stats["state_align_tokens"] = align
-        log.info("prompts diverge at multiples of %d tokens: each prompt's state is kept there%s",
+        log.info("each prompt's state is kept at the deepest multiple of %d tokens%s",
                  align, ", without tail states" if aligned else "")
 
     PREFETCH_FIRST_BLOCKS = 16      # the first part keyed and looked up while prefetching
@@ -315,7 +330,7 @@ class Connector:
         """Must the engine snapshot the recurrent state at this boundary?"""
         if not self.state_groups or self._over_cap(req, boundary):
             return False
-        return self.retention.keeps(boundary, req.n_tokens, req.hit.junction)
+        return (req.retention or self.retention).keeps(boundary, req.n_tokens, req.hit.junction)
 
     def wants_block(self, req: RequestState, block: int) -> bool:
         """Should the engine hand over the attention pages of this full prompt block?"""

@@ -126,22 +126,35 @@ def test_aligned_prompt_state_sits_on_the_deepest_multiple_up_to_the_replay_boun
 
 
 def test_alignment_is_learned_from_where_prompts_diverge():
-    learner = DivergenceAlignment(B, min_samples=10)
+    learner = DivergenceAlignment(B, min_samples=10, min_distinct=3)
     changed = [learner.observe(512 * k, 10_000) for k in range(1, 10)]
-    assert learner.align == B and not any(changed)            # too few divergences seen yet
+    assert learner.align == B and not any(changed)            # too few points seen yet
     assert learner.observe(512 * 3, 10_000) and learner.align == 512
-    learner.observe(0, 10_000)                                # no match, and a match up to the
-    learner.observe(9984, 9984)                               # replay boundary: not divergences
-    assert learner.seen == 10 and learner.align == 512
-    assert learner.observe(5 * B, 10_000) and learner.align == B     # 1 in 11 off the grid
+    learner.observe(0, 10_000)                                # nothing matched: no point
+    assert learner.seen == 10
+    learner.observe(9984, 9984)          # all it may restore matched: it resumes at its replay boundary
+    assert learner.seen == 11 and learner.align == 512        # 9984 = 19.5 x 512: 1 in 11 off the grid
+    assert learner.observe(5 * B, 10_000) and learner.align == B     # 2 in 12: falls back
 
 
-def test_learned_alignment_tolerates_a_few_divergences_off_the_grid_and_follows_the_traffic():
-    learner = DivergenceAlignment(B, min_samples=20, window=40)
-    for k in range(1, 40):
-        learner.observe((2 * k + 1) * 256 if k % 30 == 0 else 512 * k, 100_000)
-    assert learner.align == 512                               # 1 of 39 at an odd multiple of 256
-    for k in range(1, 200):                                   # the traffic changes: arbitrary blocks
+def test_one_shared_preamble_teaches_no_alignment():
+    learner = DivergenceAlignment(B, min_samples=10)
+    for _ in range(100):
+        learner.observe(96 * B, 10_000)                       # every prompt leaves one system prompt
+    assert learner.align == B
+
+
+def test_learned_alignment_has_hysteresis_and_follows_the_traffic():
+    learner = DivergenceAlignment(B, min_samples=20, window=400)
+    for k in range(1, 100):
+        learner.observe(512 * k, 100_000)
+    assert learner.align == 512
+    flips = 0
+    for k in range(1, 200):          # 7% off the grid: under the 95% to switch up, over the 90% to stay
+        flips += learner.observe((2 * k + 1) * B if k % 14 == 0 else 512 * k, 100_000)
+    assert learner.align == 512 and flips == 0
+    for k in range(1, 400):                                   # the traffic changes: arbitrary blocks
         learner.observe(k * B, 100_000)
     assert learner.align == B
-    assert DivergenceAlignment(B, max_blocks=4, min_samples=1).observe(B * 64, 10**6)
+    top = DivergenceAlignment(B, max_blocks=4, min_samples=1, min_distinct=1)
+    assert top.observe(B * 64, 10**6) and top.align == 4 * B    # never past max_blocks

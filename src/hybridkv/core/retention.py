@@ -82,44 +82,55 @@ class DivergenceAlignment:
     """Learns where prompts part ways, to keep each prompt's state where a follow-up resumes.
 
     A follow-up restores from the deepest state at or before the point where its tokens leave
-    the cached ones. When traffic shares whole chunks (a trace recorded in 512-token hash
-    blocks; an engine that caches whole chunks), that point is always a multiple of the chunk,
-    and one state at the deepest multiple serves every follow-up that a state at the replay
-    boundary plus tail states would: half the state bytes. ``observe`` takes how deep a
-    prompt's attention pages matched when that fell short of its replay boundary (a real
-    divergence, whatever states exist); ``align`` is the largest power-of-two multiple of the
-    block that at least ``share`` of the last ``window`` divergences fall on, or the block
-    itself until ``min_samples`` were seen."""
+    the cached ones (or its replay boundary, when every token it may restore is cached). When
+    traffic shares whole chunks (a trace recorded in 512-token hash blocks; an engine that
+    caches whole chunks), that point is a multiple of the chunk, and one state at the deepest
+    multiple serves the follow-ups a state at the replay boundary plus tail states would: half
+    the state bytes. ``observe`` takes how deep a prompt's attention pages matched and its
+    replay boundary; ``align`` is the largest power-of-two multiple of the block that at least
+    ``share`` of the recent points fall on (it falls back below ``share - 0.05``, so traffic
+    near the threshold does not flip it), or the block itself until ``min_samples`` points at
+    ``min_distinct`` different depths were seen: one shared preamble says nothing about chunks."""
 
     def __init__(self, block_tokens: int, max_blocks: int = 64, min_samples: int = 64,
-                 share: float = 0.95, window: int = 4096):
+                 share: float = 0.95, window: int = 4096, min_distinct: int = 8):
         self.B, self.levels = block_tokens, max_blocks.bit_length() - 1
         self.min_samples, self.share, self.window = min_samples, share, window
-        self.counts = [0] * (self.levels + 1)      # divergences on a multiple of B * 2**level
+        self.min_distinct = min_distinct
+        self.counts = [0] * (self.levels + 1)      # points on a multiple of B * 2**level
         self.seen = 0
+        self.depths: set[int] = set()              # distinct points, up to min_distinct
+        self.level = 0
 
     def observe(self, matched: int, replay: int) -> bool:
         """Record one prompt; True when ``align`` changed."""
-        if not 0 < matched < replay:
+        if matched <= 0:
             return False
-        before = self.align
         if self.seen >= self.window:        # forget evenly so the estimate follows the traffic
             self.counts = [c // 2 for c in self.counts]
             self.seen //= 2
-        blocks = matched // self.B
+        blocks = min(matched, replay) // self.B
         for level in range(self.levels + 1):
             if blocks % (1 << level):
                 break
             self.counts[level] += 1
         self.seen += 1
-        return self.align != before
+        if len(self.depths) < self.min_distinct:
+            self.depths.add(blocks)
+        before, self.level = self.level, self._level()
+        return self.level != before
+
+    def _level(self) -> int:
+        if self.seen < self.min_samples or len(self.depths) < self.min_distinct:
+            return 0
+        holds = self.level and self.counts[self.level] >= (self.share - 0.05) * self.seen
+        if holds and (self.level == self.levels or self.counts[self.level + 1] < self.share * self.seen):
+            return self.level
+        return max(lv for lv in range(self.levels + 1) if self.counts[lv] >= self.share * self.seen)
 
     @property
     def align(self) -> int:
-        if self.seen < self.min_samples:
-            return self.B
-        level = max(lv for lv in range(self.levels + 1) if self.counts[lv] >= self.share * self.seen)
-        return self.B << level
+        return self.B << self.level
 
 
 @dataclass(frozen=True)

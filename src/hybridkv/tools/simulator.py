@@ -184,7 +184,7 @@ def replay(layout: Layout, requests: Sequence[np.ndarray] | Iterable[np.ndarray]
     cache = TieredCache(layout, config, secondaries=[], pageless=True,
                         eviction=_cost_aware(layout, {False: block_cost, True: state_cost}, pol.alpha)
                         if flop_aware else None)
-    conn = connector(cache, pol.keeper(B))
+    conn = connector(cache, None if pol.align is None else pol.keeper(B))     # None: it learns
     token_pages = dict.fromkeys(conn.token_groups, PagelessRegion.EMPTY)
     state_pages = dict.fromkeys(conn.state_groups, PagelessRegion.EMPTY)
     token_bytes = sum(layout.group(g).page_bytes for g in conn.token_groups)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -31,6 +32,7 @@ from pathlib import Path
 from hybridkv.cache import TieredCache
 from hybridkv.connector import Connector, PageKind, RequestState
 from hybridkv.core.errors import HybridKVError
+from hybridkv.core.retention import replay_boundary
 from hybridkv.integrations.vllm.layout import (
     async_promotion,
     cache_config_from_extra,
@@ -203,7 +205,11 @@ class SchedulerSide:
         such stop per request (``shared_prefix_boundary``)."""
         if not self.connector.state_groups or getattr(request, "shared_prefix_boundary", 1):
             return
-        end = self.connector.retention.prompt_state(state.n_tokens)
+        end = state.retention.prompt_state(state.n_tokens)
+        if state.hit.junction and end != replay_boundary(state.n_tokens, self.B):
+            # the junction takes the one stop: keep the prompt's state where vLLM's own stop
+            # materializes it, at the replay boundary
+            state.retention = dataclasses.replace(state.retention, align=0)
         target = state.hit.junction or (end if state.hit.tokens < end else 0)
         if target:
             request.shared_prefix_boundary = target
