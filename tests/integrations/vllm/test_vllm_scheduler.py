@@ -433,3 +433,32 @@ def test_start_up_names_the_tested_vllm_versions_and_warns_on_others(tmp_path, m
     caplog.clear()
     fresh_scheduler(tmp_path).close()
     assert "vLLM 0.99.0 is not one this release was tested with (0.32.0)" in caplog.text
+
+
+
+def test_the_prompts_own_state_is_asked_for_and_stored_on_the_configured_grid(tmp_path):
+    """States kept on a two-block grid: a prompt whose replay boundary is at 3 blocks asks vLLM
+    to stop (and keep the state) at 2 and stores only that one; a prompt whose junction takes
+    the one stop vLLM allows keeps its own state at the replay boundary instead, where vLLM's
+    own stop hands it off."""
+    config, kv = vllm_objects(block=B)
+    config.kv_transfer_config = SimpleNamespace(kv_load_failure_policy="fail")
+    side = SchedulerSide(config, kv, {"ram_dir": str(tmp_path), "ram_bytes": "8MiB", "state_align": 2 * B})
+
+    def ask(rid, prompt, handoff):
+        req = SimpleNamespace(request_id=rid, prompt_token_ids=prompt, cache_salt=None, lora_request=None,
+                              mm_features=None, shared_prefix_boundary=0)
+        side.match(req, 0)
+        plan = side.plan_step({}, lambda r: BLOCK_IDS, {rid: [(0, 40 + k, b) for k, b in enumerate(handoff)]})
+        return req.shared_prefix_boundary, sorted(handoff[c.blocks[0] - 40] for c in state_copies(plan))
+
+    assert ask("a", tokens(60, 3 * B + 1), [B, 2 * B, 3 * B]) == (2 * B, [2 * B])
+    shared = tokens(61, 3 * B + 1)
+    writer = side.connector.begin("writer", shared)          # three blocks stored, no state
+    for b in range(3):
+        side.connector.offer_block(writer, b, {1: page(side, 1, b)})
+    side.connector.finish(writer)
+    follow_up = shared[: 3 * B] + tokens(62, 2 * B + 1)      # replay 5B; attention reaches 3B
+    # vLLM hands off the junction it was asked for and its own stop at the replay boundary
+    assert ask("b", follow_up, [3 * B, 5 * B]) == (3 * B, [3 * B, 5 * B])
+    side.close()
