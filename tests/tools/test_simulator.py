@@ -6,7 +6,7 @@ import pytest
 
 from hybridkv.connector import Connector
 from hybridkv.core.layout import layout_from_dict
-from hybridkv.tools.policy_compare import compare
+from hybridkv.tools.policy_compare import compare, table
 from hybridkv.tools.simulator import Policy, PrefixTruth, policy, replay, workload_prompts
 from hybridkv.tools.traces import read_trace, write_mooncake
 from hybridkv.tools.workloads import WORKLOADS, agent_trace, multi_turn_trace, shared_system_prompt
@@ -136,6 +136,7 @@ def test_learned_alignment_keeps_one_state_where_follow_ups_resume(tmp_path):
     assert aligned.wrong_hits == 0 == tail.wrong_hits
     assert aligned.prefill_tokens_saved >= tail.prefill_tokens_saved > 0
     assert aligned.ram_bytes_stored < 0.9 * tail.ram_bytes_stored
+    assert (aligned.state_align_tokens, tail.state_align_tokens) == (2 * B, B)
 
 
 def test_compare_runs_every_policy_under_the_unlimited_ceiling(tmp_path):
@@ -151,6 +152,8 @@ def test_compare_runs_every_policy_under_the_unlimited_ceiling(tmp_path):
     assert out["ceiling_equal_bytes"][-1] > 0 and len(out["best"]) == 3
     assert all(0 < s < 1 for s in out["recommended_attention_share"])
     assert len(out["ceiling_at_recommended_attention_bytes"]) == 3
+    learned = out["learned_state_align"]      # 30 short sessions: too few points to move off a block
+    assert learned == [B] * 3 and f"prompt states at multiples of (tokens) | {B} | {B} | {B} |" in table(out)
 
 
 def test_simulate_cli_compare_json_and_plot(tmp_path):

@@ -340,7 +340,8 @@ def _cmd_simulate(args) -> int:
         for r in rows:
             print(f"  {format_size(r['budget_bytes']):>10}: hit rate {r['token_hit_rate']:.1%}, "
                   f"{r['prefill_tokens_saved']:,} tokens and {r['flops_saved']:.3g} FLOPs saved, "
-                  f"{r['bytes_per_hit_token'] / 2**20:.2f} MiB stored per hit token, wrong hits {r['wrong_hits']}")
+                  f"{r['bytes_per_hit_token'] / 2**20:.2f} MiB stored per hit token, wrong hits {r['wrong_hits']}, "
+                  f"prompt states at multiples of {r['state_align_tokens']:,} tokens")
     return 1 if any(r["wrong_hits"] for r in rows) else 0
 
 

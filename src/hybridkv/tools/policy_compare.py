@@ -67,6 +67,7 @@ class Comparison:
             "recommended_attention_share": self.attention_share,
             "ceiling_at_recommended_attention_bytes": [r.token_hit_rate for r in self.share_ceiling],
             "recommended": self.recommended, "best": self.best(),
+            "learned_state_align": [r.state_align_tokens for r in self.results[self.recommended]],
             "requests": self.ceiling[0].requests, "prompt_tokens": self.ceiling[0].prompt_tokens,
         }
 
@@ -132,6 +133,9 @@ def table(c: dict) -> str:
         f"{r / top:.2f}x" if top else "-" for r, top in zip(rec, ceiling, strict=True)) + " | | |")
     lines.append(f"| {c['recommended']} / ceiling at its KV bytes | " + " | ".join(
         f"{r / top:.2f}x" if top else "-" for r, top in zip(rec, share, strict=True)) + " | | |")
+    if "learned_state_align" in c:
+        lines.append(f"| {c['recommended']}: prompt states at multiples of (tokens) | "
+                     + " | ".join(f"{a:,}" for a in c["learned_state_align"]) + " | | |")
     return "\n".join(lines)
 
 
