@@ -128,7 +128,10 @@ class RemoteTier(SecondaryTier):
     def page_keys(self, group: int, key: bytes) -> list[str]:
         """Header key first, then the payload chunks."""
         base = f"{self.namespace}:{group}:{key.hex()}}}"
-        return [f"{base}:h"] + [f"{base}:{i}" for i in range(self._chunks(group))]
+        chunks = self._chunks(group)
+        if chunks == 1:                        # the usual page: one chunk (this runs per page read)
+            return [base + ":h", base + ":0"]
+        return [f"{base}:h"] + [f"{base}:{i}" for i in range(chunks)]
 
     def _batches(self, items: list) -> list[list]:
         """Split items (group first) into pipelines of at most PIPELINE_BYTES (RAW_PIPELINE_BYTES
@@ -212,10 +215,12 @@ class RemoteTier(SecondaryTier):
 
     def _read_batch(self, items: list[tuple[int, bytes, np.ndarray]]) -> list[bool]:
         names, sinks = [], []                  # every key, and the part of a slot its value fills
+        step = self.chunk_bytes
         for group, key, out in items:
             page, view = self.page_keys(group, key), memoryview(out).cast("B")
             names += page
-            sinks += [None] + [view[i * self.chunk_bytes:(i + 1) * self.chunk_bytes] for i in range(len(page) - 1)]
+            sinks.append(None)
+            sinks += [view] if len(page) == 2 else [view[i * step:(i + 1) * step] for i in range(len(page) - 1)]
 
         def fetch():
             if self.raw is not None:          # each chunk straight into its part of the slot
@@ -228,18 +233,18 @@ class RemoteTier(SecondaryTier):
         values = self._call(fetch)
         if values is None:
             return [False] * len(items)
-        results, pos, bad = [], 0, []
+        results, pos, bad, read_bytes = [], 0, [], 0
         for group, key, out in items:
             n = 1 + self._chunks(group)
             header, chunks = values[pos], values[pos + 1:pos + n]
             pos += n
-            if header is None or any(c is None for c in chunks):
+            if header is None or None in chunks:
                 results.append(False)
                 if header is not None:
                     bad.append((group, key))      # a chunk was evicted: the rest is useless
                 continue
             try:
-                if not all(c is True for c in chunks):      # True: read into the slot already
+                if chunks.count(True) != len(chunks):      # True: read into the slot already
                     if any(c is True for c in chunks) or sum(len(c) for c in chunks) != out.nbytes:
                         raise pagefile.CorruptPage("payload size does not match the layout")
                     offset = 0
@@ -253,9 +258,10 @@ class RemoteTier(SecondaryTier):
                 results.append(False)
                 continue
             results.append(True)
-            with self._lock:
-                self.stats["reads"] += 1
-                self.stats["read_bytes"] += out.nbytes
+            read_bytes += out.nbytes
+        with self._lock:
+            self.stats["reads"] += results.count(True)
+            self.stats["read_bytes"] += read_bytes
         if bad:
             with self._lock:
                 self.stats["corrupt"] += len(bad)
