@@ -116,6 +116,21 @@ def test_staging_smaller_than_a_batch_moves_it_in_chunks(region):
     assert all(torch.equal(s, d) for s, d in zip(src, dst, strict=True))
 
 
+def test_the_load_staging_buffer_is_taken_when_the_copier_starts_and_never_grows(region):
+    """A load the next forward reads must not fail on device memory mid-serving: the staged
+    copier holds its load buffer from the start, at the size its largest load moves."""
+    src = views("BLNHC")
+    width = block_bytes(src)
+    r = region(width)
+    PageCopier({0: src}, {0: r.page_bytes}, staged=True).save(0, r, list(range(BLOCKS)), list(range(BLOCKS)))
+    dst = [torch.zeros_like(v) for v in src]
+    copier = PageCopier({0: dst}, {0: r.page_bytes}, staged=True, load_staging_bytes=3 * width + 1)
+    assert copier.load_staging_reserved == 3 * width
+    copier.load(0, r, list(range(BLOCKS)), list(range(BLOCKS)))
+    assert copier.load_staging_reserved == 3 * width and all(torch.equal(s, d) for s, d in zip(src, dst, strict=True))
+    assert PageCopier({0: dst}, {0: r.page_bytes}, staged=False).load_staging_reserved == 0
+
+
 def test_mismatched_pages_are_refused_with_both_figures(region):
     src = views("LBHNC")
     width = block_bytes(src)

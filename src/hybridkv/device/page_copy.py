@@ -77,6 +77,10 @@ class _Lane:
             self.buffer = torch.empty(rows * width, dtype=torch.uint8, device=self.device)
         return self.buffer[: rows * width].view(rows, width)
 
+    @property
+    def reserved_bytes(self) -> int:
+        return 0 if self.buffer is None else self.buffer.numel()
+
     def event(self):
         if not self.cuda:
             return None
@@ -145,6 +149,15 @@ class PageCopier:
         self.pin_hook = cuda_pin_hook() if self.cuda else None
         self._lanes = {"save": _Lane(self.device, self.cuda), "load": _Lane(self.device, self.cuda)}
         self._staging_bytes = {"save": save_staging_bytes, "load": load_staging_bytes}
+        if self.staged and self.slice_bytes:
+            # a load the next forward reads cannot fail: its staging buffer is taken now, while
+            # the engine starts, at the largest size any group's load uses
+            self._lanes["load"].staging(1, max(max(1, load_staging_bytes // w) * w for w in self.slice_bytes.values()))
+
+    @property
+    def load_staging_reserved(self) -> int:
+        """Device bytes held for loads from the start (0 on the direct CPU path)."""
+        return self._lanes["load"].reserved_bytes
 
     # -- public ---------------------------------------------------------------------------
     def save(self, group: int, region: SharedRegion, slots: Sequence[int], blocks: Sequence[int]) -> Transfer:
