@@ -124,10 +124,14 @@ def test_the_load_staging_buffer_is_taken_when_the_copier_starts_and_never_grows
     r = region(width)
     PageCopier({0: src}, {0: r.page_bytes}, staged=True).save(0, r, list(range(BLOCKS)), list(range(BLOCKS)))
     dst = [torch.zeros_like(v) for v in src]
-    copier = PageCopier({0: dst}, {0: r.page_bytes}, staged=True, load_staging_bytes=3 * width + 1)
-    assert copier.load_staging_reserved == 3 * width
+    narrow = [torch.zeros_like(v[..., :1]) for v in src]         # a second group, 1/C as wide
+    w2 = block_bytes(narrow)
+    budget = 3 * width + 2 * w2                                  # the narrow group's load uses more of it
+    copier = PageCopier({0: dst, 1: narrow}, {0: r.page_bytes, 1: w2}, staged=True, load_staging_bytes=budget)
+    reserved = max(budget // width * width, budget // w2 * w2)
+    assert reserved > 3 * width and copier.load_staging_reserved == reserved
     copier.load(0, r, list(range(BLOCKS)), list(range(BLOCKS)))
-    assert copier.load_staging_reserved == 3 * width and all(torch.equal(s, d) for s, d in zip(src, dst, strict=True))
+    assert copier.load_staging_reserved == reserved and all(torch.equal(s, d) for s, d in zip(src, dst, strict=True))
     assert PageCopier({0: dst}, {0: r.page_bytes}, staged=False).load_staging_reserved == 0
 
 

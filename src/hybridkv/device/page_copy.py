@@ -71,10 +71,13 @@ class _Lane:
         self.buffer: torch.Tensor | None = None
 
     def staging(self, rows: int, width: int) -> torch.Tensor:
-        """``rows`` x ``width`` bytes; a larger buffer replaces a smaller one (the old one is
-        freed in this lane's stream order, so copies still using it are safe)."""
+        """``rows`` x ``width`` bytes; a larger buffer replaces a smaller one. The buffer is
+        allocated on this lane's stream, so the old one's memory is reused only in this
+        stream's order, after the copies still reading it (allocated on the engine's stream,
+        the engine's next allocation could take it while a save's transfer still reads it)."""
         if self.buffer is None or self.buffer.numel() < rows * width:
-            self.buffer = torch.empty(rows * width, dtype=torch.uint8, device=self.device)
+            with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
+                self.buffer = torch.empty(rows * width, dtype=torch.uint8, device=self.device)
         return self.buffer[: rows * width].view(rows, width)
 
     @property
@@ -149,10 +152,11 @@ class PageCopier:
         self.pin_hook = cuda_pin_hook() if self.cuda else None
         self._lanes = {"save": _Lane(self.device, self.cuda), "load": _Lane(self.device, self.cuda)}
         self._staging_bytes = {"save": save_staging_bytes, "load": load_staging_bytes}
-        if self.staged and self.slice_bytes:
+        largest_load = max((max(1, load_staging_bytes // w) * w for w in self.slice_bytes.values() if w), default=0)
+        if self.staged and largest_load:
             # a load the next forward reads cannot fail: its staging buffer is taken now, while
             # the engine starts, at the largest size any group's load uses
-            self._lanes["load"].staging(1, max(max(1, load_staging_bytes // w) * w for w in self.slice_bytes.values()))
+            self._lanes["load"].staging(1, largest_load)
 
     @property
     def load_staging_reserved(self) -> int:

@@ -141,7 +141,7 @@ class SimResult:
     wrong_hits: int
     ram_bytes_stored: int
     ram_bytes_loaded: int
-    state_align_tokens: int = 0   # where prompts' own states ended up (learned, or the policy's)
+    state_align_tokens: int = 0   # where prompts' own states were kept at the end (learned, or the policy's)
 
     @property
     def token_hit_rate(self) -> float:
@@ -224,7 +224,7 @@ def replay(layout: Layout, requests: Sequence[np.ndarray] | Iterable[np.ndarray]
             conn.finish(req)
         ram = cache.stats()["tiers"][RAM]
         return SimResult(pol.name, workload, budget_bytes, n, prompt, saved, flops, servable, wrong,
-                         ram["bytes_in"], ram["bytes_out"], conn.stats["state_align_tokens"])
+                         ram["bytes_in"], ram["bytes_out"], pol.align or conn.stats["state_align_tokens"])
     finally:
         cache.close()
 
