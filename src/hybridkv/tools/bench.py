@@ -47,8 +47,8 @@ def run_bench(quick: bool = False, remote: str | None = None, manager_slots: int
     out["fs_startup_packed"] = bench_tiers.bench_fs_startup_packed(100_000 if quick else 1_000_000)
     if remote:
         progress("tiers: remote")
-        out["remote"] = [bench_tiers.bench_remote(remote, 64 * 1024, 512, repeats=3 if quick else 5),
-                         bench_tiers.bench_remote(remote, MiB, 64, repeats=3 if quick else 5)]
+        out["remote"] = [bench_tiers.bench_remote(remote, 64 * 1024, 2048, repeats=3 if quick else 5),
+                         bench_tiers.bench_remote(remote, MiB, 256, repeats=3 if quick else 5)]
     progress("block-key hashing")
     out["hashing"] = bench_hashing()
     progress("hit lookup with a filesystem tier attached vs RAM only")
