@@ -16,7 +16,7 @@ def test_cpu_dry_run_passes_every_round_trip_and_reports_ceilings():
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout)
     assert summary["ok"] and summary["device"] == "cpu"
-    assert len(summary["round_trips"]) == 10 and all(summary["round_trips"].values())
+    assert len(summary["round_trips"]) == 11 and all(summary["round_trips"].values())
     for row in summary["bandwidth"]:
         assert row["pages"] == 8 and row["save_GBps"] > 0 and row["ceiling_d2h_GBps"] > 0
     (restore,) = summary["engine"]
@@ -38,4 +38,4 @@ def test_the_benchmarks_page_shows_a_gpu_run_or_says_there_was_none():
     assert "Not run yet" in gpu_section(None)
     summary = json.loads(run("--device", "cpu", "--pages", "4", "--repeats", "1", "--engine-tokens", "0").stdout)
     page = gpu_section(summary)
-    assert "Round trips bit-identical: 10 of 10" in page and "| LBNHC | 1024 KiB |" in page
+    assert "Round trips bit-identical: 11 of 11" in page and "| LBNHC | 1024 KiB |" in page

@@ -142,6 +142,31 @@ def forward_reads_a_load(device: torch.device, directory: Path) -> bool:
         region.close()
 
 
+def a_grown_save_buffer_outlives_its_transfer(device: torch.device, directory: Path) -> bool:
+    """A save whose transfer to host is still running when the next, larger save grows the
+    staging buffer: the engine then allocates and overwrites memory of that buffer's size at
+    once. The buffer lives on the copy's stream, so the engine never gets the old memory while
+    the transfer reads it; the first save's pages must land whole."""
+    blocks, dims = 512, dict(layers=2, heads=8, tokens=16, width=128)
+    src = [fold_kernel_blocks(t, blocks) for t in attention_caches("LBNHC", blocks=blocks, device=device, **dims)]
+    page = block_bytes(src)
+    region = _region(directory, "grown", blocks, page, device)
+    try:
+        copier = PageCopier({0: src}, {0: page})
+        first, rest = list(range(blocks // 4)), list(range(blocks // 4, blocks))
+        early = copier.save(0, region, first, first)               # no wait: its DMA is queued
+        late = copier.save(0, region, rest, rest)                  # a larger buffer replaces the first
+        garbage = [torch.full((len(first) * page,), 0xA5, dtype=torch.uint8, device=device) for _ in range(4)]
+        early.wait()
+        late.wait()
+        del garbage
+        dst = [torch.zeros_like(t) for t in src]
+        PageCopier({0: dst}, {0: page}).load(0, region, first, first).wait()
+        return all(bool(torch.equal(_bits(a)[: len(first)], _bits(b)[: len(first)])) for a, b in zip(src, dst, strict=True))
+    finally:
+        region.close()
+
+
 def _median_s(fn, repeats: int, device: torch.device) -> float:
     times = []
     for _ in range(repeats):
@@ -226,6 +251,8 @@ def run(device: torch.device, pages: int, repeats: int, lengths: list[int] = (),
         out["round_trips"]["LBHNC 2 ranks"] = round_trip("LBHNC", "LBNHC", device, directory, ranks=2)
         out["round_trips"]["state, padded"] = state_round_trip(device, directory)
         out["round_trips"]["load read by the next forward"] = forward_reads_a_load(device, directory)
+        out["round_trips"]["save buffer grown during a transfer"] = a_grown_save_buffer_outlives_its_transfer(
+            device, directory)
         out["bandwidth"] = [bandwidth(layout, device, directory, pages, repeats) for layout in ("LBNHC", "LBHNC")]
     out["engine"] = engine_restores(device, list(lengths), model, repeats) if lengths else []
     out["ok"] = all(out["round_trips"].values()) and all(
