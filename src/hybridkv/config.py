@@ -48,16 +48,13 @@ def parse_retention(value) -> int | None:
 
 def parse_state_align(value) -> int | None:
     """``auto`` -> None (learned from the traffic); else tokens >= 0 (0: the replay boundary)."""
-    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+    text = str(value).strip().lower()
+    if value is None or text == "auto":
         return None
-    try:
-        tokens = int(str(value).strip()) if not isinstance(value, bool) else -1
-    except ValueError:
-        tokens = -1
-    if tokens < 0:
+    if isinstance(value, bool) or not text.isdecimal():
         raise HybridKVError(f"state_align: {value!r} is invalid; use auto, 0 (the replay boundary) "
                             "or a token count such as 512")
-    return tokens
+    return int(text)
 
 
 def setting(default, help: str):

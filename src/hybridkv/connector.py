@@ -63,7 +63,7 @@ class RequestState:
     local_blocks: int = 0      # leading blocks the engine already holds itself
     loaded: Load | None = None     # the hit's pages, pinned (or some still promoting)
     where: dict[int, list[str | None]] = field(default_factory=dict)   # tier per (group, block)
-    retention: Retention | None = None     # the connector's when the request began, for all its stores
+    retention: Retention | None = None     # the connector's when the request began (set by begin), for all its stores
 
     @property
     def hit_tokens(self) -> int:
@@ -330,7 +330,7 @@ class Connector:
         """Must the engine snapshot the recurrent state at this boundary?"""
         if not self.state_groups or self._over_cap(req, boundary):
             return False
-        return (req.retention or self.retention).keeps(boundary, req.n_tokens, req.hit.junction)
+        return req.retention.keeps(boundary, req.n_tokens, req.hit.junction)
 
     def wants_block(self, req: RequestState, block: int) -> bool:
         """Should the engine hand over the attention pages of this full prompt block?"""

@@ -49,15 +49,18 @@ class Retention:
 
     def prompt_state(self, n_tokens: int) -> int:
         """The boundary of the state kept for the prompt itself (0: none)."""
-        replay = replay_boundary(n_tokens, self.block_tokens)
+        return self._aligned(replay_boundary(n_tokens, self.block_tokens))
+
+    def _aligned(self, replay: int) -> int:
         return replay // self.align * self.align if self.align else replay
 
     def keeps(self, boundary: int, n_tokens: int, junction: int | None = None) -> bool:
         """O(1): is a state kept at ``boundary`` for a prompt of ``n_tokens``?"""
         B = self.block_tokens
-        end = self.prompt_state(n_tokens)
-        if boundary <= 0 or boundary % B or boundary > replay_boundary(n_tokens, B):
+        replay = replay_boundary(n_tokens, B)
+        if boundary <= 0 or boundary % B or boundary > replay:
             return False
+        end = self._aligned(replay)
         if self.interval is None or boundary == junction or 0 <= end - boundary <= self.tail * B:
             return True
         return self.interval > 0 and boundary % self.interval == 0
@@ -70,7 +73,7 @@ class Retention:
             return 0
         if self.interval is None:
             return replay // B
-        end = self.prompt_state(n_tokens)
+        end = self._aligned(replay)
         own = 1 + min(self.tail, end // B - 1) if end else 0
         if self.interval == 0:
             return own

@@ -128,10 +128,7 @@ class RemoteTier(SecondaryTier):
     def page_keys(self, group: int, key: bytes) -> list[str]:
         """Header key first, then the payload chunks."""
         base = f"{self.namespace}:{group}:{key.hex()}}}"
-        chunks = self._chunks(group)
-        if chunks == 1:                        # the usual page: one chunk (this runs per page read)
-            return [base + ":h", base + ":0"]
-        return [f"{base}:h"] + [f"{base}:{i}" for i in range(chunks)]
+        return [f"{base}:h"] + [f"{base}:{i}" for i in range(self._chunks(group))]
 
     def _batches(self, items: list) -> list[list]:
         """Split items (group first) into pipelines of at most PIPELINE_BYTES (RAW_PIPELINE_BYTES
@@ -215,12 +212,10 @@ class RemoteTier(SecondaryTier):
 
     def _read_batch(self, items: list[tuple[int, bytes, np.ndarray]]) -> list[bool]:
         names, sinks = [], []                  # every key, and the part of a slot its value fills
-        step = self.chunk_bytes
         for group, key, out in items:
             page, view = self.page_keys(group, key), memoryview(out).cast("B")
             names += page
-            sinks.append(None)
-            sinks += [view] if len(page) == 2 else [view[i * step:(i + 1) * step] for i in range(len(page) - 1)]
+            sinks += [None] + [view[i * self.chunk_bytes:(i + 1) * self.chunk_bytes] for i in range(len(page) - 1)]
 
         def fetch():
             if self.raw is not None:          # each chunk straight into its part of the slot
@@ -244,7 +239,7 @@ class RemoteTier(SecondaryTier):
                     bad.append((group, key))      # a chunk was evicted: the rest is useless
                 continue
             try:
-                if chunks.count(True) != len(chunks):      # True: read into the slot already
+                if not all(c is True for c in chunks):      # True: read into the slot already
                     if any(c is True for c in chunks) or sum(len(c) for c in chunks) != out.nbytes:
                         raise pagefile.CorruptPage("payload size does not match the layout")
                     offset = 0

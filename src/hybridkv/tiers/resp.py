@@ -150,12 +150,6 @@ def _command(args: Sequence) -> list:
     return parts
 
 
-def _get_command(name: str) -> bytes:
-    """``GET name`` framed, in one formatting step (this runs for every page read)."""
-    raw = name.encode()
-    return b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(raw), raw)
-
-
 class RawClient:
     """One connection per calling thread; any socket error drops it (the next call reconnects)
     and propagates as ``OSError`` for the tier's outage handling."""
@@ -201,7 +195,7 @@ class RawClient:
         """GET each name; a value whose length is its sink's goes into the sink (True), any
         other value comes back as bytes, a missing key as None."""
         def run(conn: _Connection) -> list:
-            conn.send([b"".join(_get_command(name) for name in names)])
+            conn.send([b"".join(_command([b"GET", name.encode()])) for name in names])
             out, error = [], None
             for sink in sinks:                  # every reply is read: the stream stays in step
                 head = conn.line()

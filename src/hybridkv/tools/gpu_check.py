@@ -125,12 +125,18 @@ def state_round_trip(device: torch.device, directory: Path) -> bool:
         region.close()
 
 
+def _attention_blocks(blocks: int, device: torch.device) -> list[torch.Tensor]:
+    """Block views of a small two-layer attention cache (random bytes)."""
+    return [fold_kernel_blocks(t, blocks) for t in attention_caches(
+        "LBNHC", blocks=blocks, device=device, layers=2, heads=8, tokens=16, width=128)]
+
+
 def forward_reads_a_load(device: torch.device, directory: Path) -> bool:
     """A load within the step (``feeds_forward``): the engine's stream reads the blocks right
     after the call, with no wait on the transfer, as the forward does. On a GPU the copy is
     queued on its own stream; only the engine stream's wait on it makes this read the pages."""
-    blocks, dims = 256, dict(layers=2, heads=8, tokens=16, width=128)
-    src = [fold_kernel_blocks(t, blocks) for t in attention_caches("LBNHC", blocks=blocks, device=device, **dims)]
+    blocks = 256
+    src = _attention_blocks(blocks, device)
     region = _region(directory, "forward", blocks, block_bytes(src), device)
     try:
         ids = list(range(blocks))
@@ -147,8 +153,8 @@ def a_grown_save_buffer_outlives_its_transfer(device: torch.device, directory: P
     staging buffer: the engine then allocates and overwrites memory of that buffer's size at
     once. The buffer lives on the copy's stream, so the engine never gets the old memory while
     the transfer reads it; the first save's pages must land whole."""
-    blocks, dims = 512, dict(layers=2, heads=8, tokens=16, width=128)
-    src = [fold_kernel_blocks(t, blocks) for t in attention_caches("LBNHC", blocks=blocks, device=device, **dims)]
+    blocks = 512
+    src = _attention_blocks(blocks, device)
     page = block_bytes(src)
     region = _region(directory, "grown", blocks, page, device)
     try:

@@ -32,7 +32,6 @@ from pathlib import Path
 from hybridkv.cache import TieredCache
 from hybridkv.connector import Connector, PageKind, RequestState
 from hybridkv.core.errors import HybridKVError
-from hybridkv.core.retention import replay_boundary
 from hybridkv.integrations.vllm.layout import (
     async_promotion,
     cache_config_from_extra,
@@ -205,11 +204,11 @@ class SchedulerSide:
         such stop per request (``shared_prefix_boundary``)."""
         if not self.connector.state_groups or getattr(request, "shared_prefix_boundary", 1):
             return
-        end = state.retention.prompt_state(state.n_tokens)
-        if state.hit.junction and end != replay_boundary(state.n_tokens, self.B):
+        if state.hit.junction and state.retention.align:
             # the junction takes the one stop: keep the prompt's state where vLLM's own stop
             # materializes it, at the replay boundary
             state.retention = dataclasses.replace(state.retention, align=0)
+        end = state.retention.prompt_state(state.n_tokens)
         target = state.hit.junction or (end if state.hit.tokens < end else 0)
         if target:
             request.shared_prefix_boundary = target
