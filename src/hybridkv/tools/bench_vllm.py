@@ -43,13 +43,15 @@ def _prompts(length: int, reps: int) -> list[list[int]]:
             for i in range(reps)]
 
 
-def _engine(work: Path, name: str, model: Path, family: str, connector, requests,
-            transfer: dict | None = None, tp: int = 1) -> dict:
+def run_engine(work: Path, name: str, model: Path, family: str, connector, requests,
+               transfer: dict | None = None, tp: int = 1, time_steps: bool = False) -> dict:
+    """One engine process running ``requests`` (``vllm_run``'s job format); its results, with
+    each request's lookup time and, under ``"stats"``, the connector's stats file."""
     if connector is not None:
         connector = {**connector, "stats_file": str(work / f"{name}-stats.json")}
     job = {"model": str(model), "dtype": dtype_of(family), "connector": connector,
            "requests": requests, "max_model_len": MAX_MODEL_LEN, "transfer": transfer or {},
-           "tensor_parallel_size": tp}
+           "tensor_parallel_size": tp, "time_steps": time_steps}
     path = work / f"{name}.json"
     path.write_text(json.dumps(job))
     t0 = time.perf_counter()
@@ -62,8 +64,8 @@ def _engine(work: Path, name: str, model: Path, family: str, connector, requests
     out = json.loads(line.split(" ", 1)[1])
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     if connector is not None:      # the lookup times, in the order the requests were served
-        history = json.loads(Path(connector["stats_file"]).read_text())["requests"]
-        for req, seen in zip(out["requests"], history, strict=False):
+        out["stats"] = json.loads(Path(connector["stats_file"]).read_text())
+        for req, seen in zip(out["requests"], out["stats"]["requests"], strict=False):
             req["match_ms"] = seen["match_ms"]
     return out
 
@@ -89,18 +91,18 @@ def bench_family(family: str, work: Path, reps: int, tp: int = 1) -> dict:
     # A: cold (hybridkv stores), then each repeat after emptying vLLM's cache: hybridkv RAM,
     # then each once more: vLLM's own prefix cache hits, in the same process (engine processes
     # of one configuration differ by more than these figures on a small machine).
-    a = _engine(work, f"{family}-A", model, family, connector,
+    a = run_engine(work, f"{family}-A", model, family, connector,
                 [{"tokens": p, **one} for p in flat] + [{"tokens": p, "reset": True, **one} for p in flat]
                 + [{"tokens": p, **one} for p in flat], tp=tp)
     # B: a new process on the same store: restore from disk, the reads inside the lookup, then
     # each again after emptying vLLM's cache: a RAM hit in the same process;
     # D: the disk restore with the reads in the background.
-    b = _engine(work, f"{family}-B", model, family, connector,
+    b = run_engine(work, f"{family}-B", model, family, connector,
                 [{"tokens": p, **one} for p in flat] + [{"tokens": p, "reset": True, **one} for p in flat], tp=tp)
-    d = _engine(work, f"{family}-D", model, family, connector, [{"tokens": p, **one} for p in flat],
+    d = run_engine(work, f"{family}-D", model, family, connector, [{"tokens": p, **one} for p in flat],
                 transfer={"kv_load_failure_policy": "recompute"}, tp=tp)
     # C: stock vLLM: cold, then the repeat from its own prefix cache (the best case).
-    c = _engine(work, f"{family}-C", model, family, None,
+    c = run_engine(work, f"{family}-C", model, family, None,
                 [{"tokens": p, **one} for p in flat] + [{"tokens": p, **one} for p in flat], tp=tp)
     rows = []
     for i, n in enumerate(LENGTHS):

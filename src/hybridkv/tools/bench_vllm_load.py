@@ -12,6 +12,13 @@ Two workloads, each against both servers:
 ``--clients`` threads send streaming completions through the ``openai`` client; reported are
 throughput (requests/s, output tokens/s), p50/p99 time to first token and inter-token latency.
 The connector gets a RAM tier and a disk store in a temporary directory (``--ram-only``: RAM).
+
+Then the cost of a miss without the HTTP server in the way: batches of unique prompts through
+an offline engine whose core runs in the benchmark's process, vLLM alone, with hybridkv in RAM
+and with a disk store written through, timing every engine step, with the time the steps spent
+inside the connector's hooks (its own count). Equal hook time with and without the disk store
+means the write-through never made a step wait; what the disk store adds to the steps beyond
+it is its writer threads' CPU time, taken from the forward on a machine with few cores.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import urllib.request
 from pathlib import Path
 
 from hybridkv.tools.bench_common import machine
+from hybridkv.tools.bench_vllm import run_engine
 
 OUTPUT_TOKENS = 16
 START_TIMEOUT_S = 600
@@ -161,13 +169,10 @@ def drive(port: int, prompts: list[list[int]], clients: int) -> dict:
             "hit_rate": sum(r["cached"] for r in done) / max(1, sum(r["prompt"] for r in done))}
 
 
-def run(family: str, clients: int, requests: int, work: Path, ram_only: bool = False) -> dict:
-    from hybridkv.integrations.vllm.tiny_models import save_tiny_checkpoint
-
-    model = save_tiny_checkpoint(family, work / "model")
+def serve_runs(family: str, model: Path, clients: int, requests: int, work: Path, ram_only: bool) -> dict:
+    """Both workloads against ``vllm serve`` without and with hybridkv: workload -> server -> figures."""
     workloads = {"unique": unique_prompts(requests), "reuse": reuse_prompts(requests)}
-    out: dict = {"family": family, "clients": clients, "output_tokens": OUTPUT_TOKENS, "machine": machine(),
-                 "tiers": "RAM" if ram_only else "RAM and a disk store", "runs": {}}
+    runs: dict = {}
     for name, connector in (("vllm", None), ("hybridkv", {
             "kv_connector": "HybridKVConnector", "kv_role": "kv_both",
             "kv_connector_module_path": "hybridkv.integrations.vllm",
@@ -180,10 +185,56 @@ def run(family: str, clients: int, requests: int, work: Path, ram_only: bool = F
             drive(server.port, unique_prompts(clients, seed=99), clients)      # warm-up, not timed
             for workload, prompts in workloads.items():
                 print(f"[load] {name}: {workload}, {len(prompts)} requests", file=sys.stderr, flush=True)
-                out["runs"].setdefault(workload, {})[name] = drive(server.port, prompts, clients)
+                runs.setdefault(workload, {})[name] = drive(server.port, prompts, clients)
         finally:
             server.stop()
-    return out
+    return runs
+
+
+STEP_ROUNDS, STEP_BATCHES, STEP_BATCH = 2, 3, 64
+
+
+def _step_figures(runs: list[dict]) -> dict:
+    """One engine's runs, their timed batches (all but each run's warm-up): engine time per
+    batch, step times, and the share of every step hybridkv's hooks took (its stats cover
+    whole runs)."""
+    for run in runs:
+        if "error" in run:
+            raise RuntimeError(f"engine failed: {run['error']}")
+    timed = [r for run in runs for r in run["requests"][1:]]
+    steps = sorted(s for r in timed for s in r["step_s"])
+    figures = {"batch_s": statistics.median(sum(r["step_s"]) for r in timed),
+               "steps_per_batch": statistics.median(len(r["step_s"]) for r in timed),
+               "step_p50_ms": statistics.median(steps) * 1e3,
+               "step_p99_ms": steps[min(len(steps) - 1, int(0.99 * len(steps)))] * 1e3}
+    if all(run.get("stats") for run in runs):
+        every_step = sum(s for run in runs for r in run["requests"] for s in r["step_s"])
+        scheduler = sum(run["stats"]["vllm"]["engine_s"] for run in runs)
+        worker = sum(run["stats"]["vllm"]["worker_engine_s"] for run in runs)
+        figures |= {"scheduler_hooks_s": scheduler, "worker_hooks_s": worker,
+                    "hooks_share": (scheduler + worker) / every_step}
+    return figures
+
+
+def step_costs(family: str, work: Path, model: Path) -> dict:
+    """vLLM alone, hybridkv in RAM, hybridkv with a disk store: the same batches of unique
+    prompts (16 output tokens each) in an offline engine, one process each, in turn for
+    ``STEP_ROUNDS`` rounds (engine processes of one configuration differ by a few percent)."""
+    rng = random.Random(7)
+    batches = [unique_prompts(16, seed=rng.randrange(1 << 30))] + \
+        [unique_prompts(STEP_BATCH, seed=rng.randrange(1 << 30)) for _ in range(STEP_BATCHES)]
+    requests = [{"batch": b, "max_tokens": OUTPUT_TOKENS} for b in batches]
+    engines = {"vllm": None, "hybridkv_ram": {"ram_bytes": "512MiB"}, "hybridkv_disk": {"ram_bytes": "512MiB"}}
+    runs: dict[str, list[dict]] = {name: [] for name in engines}
+    for round_ in range(STEP_ROUNDS):
+        for name, connector in engines.items():
+            print(f"[load] engine steps: {name}, round {round_ + 1} of {STEP_ROUNDS}", file=sys.stderr, flush=True)
+            if name == "hybridkv_disk":          # an empty store each time: every page is written
+                connector = {**connector, "store": str(work / f"step-store-{round_}")}
+                Path(connector["store"]).mkdir()
+            runs[name].append(run_engine(work, f"steps-{name}-{round_}", model, family, connector,
+                                         requests, time_steps=True))
+    return {name: _step_figures(r) for name, r in runs.items()}
 
 
 def table(res: dict) -> str:
@@ -200,6 +251,22 @@ def table(res: dict) -> str:
                          f"{b['output_tokens_per_s'] / a['output_tokens_per_s']:.2f}x | "
                          f"{b['ttft_p50_ms'] / a['ttft_p50_ms']:.2f}x | {b['ttft_p99_ms'] / a['ttft_p99_ms']:.2f}x | "
                          f"{b['itl_p50_ms'] / a['itl_p50_ms']:.2f}x | {b['itl_p99_ms'] / a['itl_p99_ms']:.2f}x | |")
+    if "steps" in res:
+        lines += ["", steps_table(res["steps"])]
+    return "\n".join(lines)
+
+
+def steps_table(steps: dict) -> str:
+    base = steps["vllm"]["batch_s"]
+    lines = [f"Engine steps, offline, {STEP_BATCH} unique prompts a batch (median of {STEP_ROUNDS} x {STEP_BATCHES} "
+             "batches, each engine in turn):", "",
+             "| engine | time per batch | vs vLLM alone | steps | step p50 | step p99 | in hybridkv's hooks (scheduler + worker) |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, f in steps.items():
+        hooks = (f"{f['hooks_share']:.1%} of step time ({f['scheduler_hooks_s'] * 1e3:.0f} + "
+                 f"{f['worker_hooks_s'] * 1e3:.0f} ms)" if "hooks_share" in f else "-")
+        lines.append(f"| {name} | {f['batch_s'] * 1e3:.0f} ms | {f['batch_s'] / base:.2f}x | {f['steps_per_batch']:.0f} | "
+                     f"{f['step_p50_ms']:.1f} ms | {f['step_p99_ms']:.1f} ms | {hooks} |")
     return "\n".join(lines)
 
 
@@ -209,13 +276,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--requests", type=int, default=96)
     parser.add_argument("--ram-only", action="store_true", help="the connector without a disk store")
+    parser.add_argument("--steps-only", action="store_true",
+                        help="only the offline engine's steps (about 3 minutes); --out keeps its server runs")
     parser.add_argument("--out", type=Path, default=Path("docs/bench_vllm_load.json"))
     args = parser.parse_args(argv)
     if args.clients < 1 or args.requests < 1:
         print("bench_vllm_load: error: --clients and --requests must be >= 1", file=sys.stderr)
         return 2
+    from hybridkv.integrations.vllm.tiny_models import save_tiny_checkpoint
+
+    res: dict = {"family": args.family, "clients": args.clients, "output_tokens": OUTPUT_TOKENS,
+                 "tiers": "RAM" if args.ram_only else "RAM and a disk store", "runs": {}}
+    if args.steps_only and args.out.exists():       # the server runs stay as the last full run left them
+        res = json.loads(args.out.read_text())
+    res["machine"] = machine()
     with tempfile.TemporaryDirectory() as tmp:
-        res = run(args.family, args.clients, args.requests, Path(tmp), args.ram_only)
+        work = Path(tmp)
+        model = save_tiny_checkpoint(args.family, work / "model")
+        if not args.steps_only:
+            res["runs"] = serve_runs(args.family, model, args.clients, args.requests, work, args.ram_only)
+        res["steps"] = step_costs(args.family, work, model)
     args.out.write_text(json.dumps(res, indent=1))
     print(table(res))
     return 0

@@ -19,6 +19,10 @@ and a list of requests run one after another. On a request:
 - ``"unlink_ram_regions": true`` removes the RAM region files from ``ram_dir`` first, so the
   worker cannot attach them (a failure test).
 
+``"time_steps": true`` runs the engine core in this process and adds to each result the wall
+time of every engine step it took (``"step_s"``): scheduling, the forward and the connector's
+work in it, as the server's engine loop runs them.
+
 One process = one engine: the tests and the vLLM benchmark start a fresh process to simulate a
 restart.
 """
@@ -37,9 +41,20 @@ def cpu_threads_bind(tp: int) -> str:
     return "|".join(str(i % os.cpu_count()) for i in range(tp))
 
 
+def _timed(step, into: list[float]):
+    def timed_step():
+        start = time.perf_counter()
+        out = step()
+        into.append(time.perf_counter() - start)
+        return out
+    return timed_step
+
+
 def run(job: dict) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     tp = job.get("tensor_parallel_size", 1)
+    if job.get("time_steps"):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"     # a step is then one call here
     if tp > 1:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_threads_bind(tp))
     from vllm import LLM, SamplingParams
@@ -64,6 +79,9 @@ def run(job: dict) -> dict:
               max_num_batched_tokens=job.get("max_num_batched_tokens", 2048),
               seed=0, **kwargs)
     results = {"engine_start_s": round(time.perf_counter() - t0, 2), "requests": []}
+    steps: list[float] = []
+    if job.get("time_steps"):
+        llm.llm_engine.step = _timed(llm.llm_engine.step, steps)
     for req in job["requests"]:
         if req.get("unlink_ram_regions"):         # fault injection: the worker cannot attach them
             for region in Path(job["connector"]["ram_dir"]).iterdir():
@@ -82,8 +100,11 @@ def run(job: dict) -> dict:
         outs = [{"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens or 0}
                 for out in llm.generate(prompts, params, use_tqdm=False, lora_request=lora)]
         seconds = round(time.perf_counter() - start, 4)
-        results["requests"].append({"batch": outs, "seconds": seconds} if "batch" in req
-                                   else {**outs[0], "seconds": seconds})
+        result = {"batch": outs, "seconds": seconds} if "batch" in req else {**outs[0], "seconds": seconds}
+        if job.get("time_steps"):
+            result["step_s"] = [round(s, 6) for s in steps]
+            steps.clear()
+        results["requests"].append(result)
     del llm
     return results
 

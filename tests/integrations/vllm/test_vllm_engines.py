@@ -160,3 +160,14 @@ def test_ram_pressure_evicts_old_prefixes_and_keeps_the_recent_one(runs, family)
     tier = "remote" if family == "llama" else "fs"
     assert old["loaded_tokens"] > 0 and old["sources"][tier] > 0
     assert r["B"]["requests"][-1]["tokens"] == r["A"]["requests"][0]["tokens"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_time_vllms_steps_spent_in_the_connector_is_counted_on_both_halves(runs, family):
+    """What hybridkv adds to vLLM's engine loop (every hook's wall time), the scheduler's and
+    the workers' as they reported it: more than nothing, less than the requests took."""
+    a = runs(family)["A"]
+    vllm_stats = a["stats"]["vllm"]
+    took = sum(r["seconds"] for r in a["requests"])
+    assert 0 < vllm_stats["engine_s"] < took
+    assert 0 < vllm_stats["worker_engine_s"] < took

@@ -2,6 +2,7 @@
 allocation, the step plans, the worker's report. vLLM's own config and KV-cache objects, a real
 disk store; one request at a time, so that every path (landed, failed, aborted) is certain."""
 
+import json
 from types import SimpleNamespace
 
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from hybridkv.core.errors import HybridKVError
+from hybridkv.integrations.vllm import scheduler as scheduler_module
 from hybridkv.integrations.vllm.messages import RankReport, WorkerReport
 from hybridkv.integrations.vllm.scheduler import SchedulerSide
 from hybridkv.integrations.vllm.worker import WorkerSide
@@ -204,9 +206,24 @@ def test_a_stats_file_that_cannot_be_written_is_logged_once_and_never_raised(tmp
     for rid in ("a", "b"):
         side.match(request(rid), 0)
         side.finish(rid)                     # writes the stats file: inside vLLM's request_finished
+    assert side.stats.stats_write_errors == 1    # the second finish came within the interval
+    side.close()                             # writes it whatever the interval
     assert side.stats.stats_write_errors == 2
     assert caplog.text.count("cannot write stats_file") == 1
+
+
+def test_the_stats_file_is_rewritten_at_most_once_an_interval_and_at_close(tmp_path, monkeypatch):
+    monkeypatch.setattr(scheduler_module, "STATS_INTERVAL_S", 3600.0)     # however slow this machine
+    path = tmp_path / "stats.json"
+    side = scheduler(tmp_path, stats_file=str(path))
+    side.match(request("a"), 0)
+    side.finish("a")
+    assert [r["request"] for r in json.loads(path.read_text())["requests"]] == ["a"]
+    side.match(request("b"), 0)
+    side.finish("b")                         # within the interval: not rewritten yet
+    assert [r["request"] for r in json.loads(path.read_text())["requests"]] == ["a"]
     side.close()
+    assert [r["request"] for r in json.loads(path.read_text())["requests"]] == ["a", "b"]
 
 
 def test_the_stats_file_never_follows_a_link_planted_beside_it(tmp_path):

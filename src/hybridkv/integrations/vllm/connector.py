@@ -16,7 +16,9 @@ in a step of its own once the reads landed, so they never stall the engine
 
 from __future__ import annotations
 
+import functools
 import logging
+import time
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -37,7 +39,8 @@ TIER_SOURCES = {"ram": CacheHitSource.HOST, "fs": CacheHitSource.DISK}
 
 
 class HybridKVStats(KVConnectorStats):
-    """Worker copy counters, summed over workers and shown in vLLM's metrics log."""
+    """Worker copy counters and the time both halves spent in vLLM's steps, summed over
+    workers and shown in vLLM's metrics log."""
 
     def reset(self):
         self.data = {}
@@ -50,6 +53,7 @@ class HybridKVStats(KVConnectorStats):
     def reduce(self) -> dict[str, int | float]:
         d = self.data
         out = {k: v for k, v in d.items() if k.endswith(("_tokens", "_pages"))}
+        out["hybridkv_engine_ms"] = round(d.get("engine_s", 0.0) * 1e3, 3)
         out |= {"hybridkv_load_MB": round(d.get("load_bytes", 0) / 1e6, 3),
                "hybridkv_store_MB": round(d.get("store_bytes", 0) / 1e6, 3)}
         for kind in ("load", "store"):
@@ -75,6 +79,23 @@ def _log_like_vllm() -> None:
     ours.propagate = False
 
 
+def in_engine_loop(hook):
+    """Adds the hook's wall time to its side's ``engine_s``: what hybridkv adds to vLLM's steps
+    (the engine's loop waits for every hook), in the stats file and vLLM's metrics log."""
+    @functools.wraps(hook)
+    def timed(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return hook(self, *args, **kwargs)
+        finally:
+            seconds = time.perf_counter() - start
+            if self.scheduler is not None:
+                self.scheduler.stats.engine_s += seconds
+            else:
+                self.worker.engine_s += seconds
+    return timed
+
+
 class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
@@ -92,13 +113,16 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         return False          # a cache: a dropped store is only a later miss
 
     # -- scheduler --------------------------------------------------------------------------
+    @in_engine_loop
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         tokens = self.scheduler.match(request, num_computed_tokens)
         return tokens, tokens > 0 and not self.scheduler.loads_within_step(request.request_id)
 
+    @in_engine_loop
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         self.scheduler.allocated(request, blocks.get_block_ids(), num_external_tokens)
 
+    @in_engine_loop
     def get_external_cache_hit_sources(self, request, num_external_tokens: int):
         sources: dict[CacheHitSource, int] = {}
         for tier, tokens in self.scheduler.hit_sources(request.request_id).items():
@@ -109,6 +133,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             return super().get_external_cache_hit_sources(request, num_external_tokens)
         return sources
 
+    @in_engine_loop
     def build_connector_meta(self, scheduler_output):
         scheduled = {}
         for new in scheduler_output.scheduled_new_reqs:
@@ -121,26 +146,32 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         block_state = scheduler_output.kv_connector_block_state
         return self.scheduler.plan_step(spans, block_state.get_block_ids, block_state.boundary_state_offloads)
 
+    @in_engine_loop
     def has_pending_push_work(self) -> bool:
         return self.scheduler.pending_stores()
 
     def reset_cache(self) -> bool:
         return self.scheduler.reset()
 
+    @in_engine_loop
     def update_connector_output(self, connector_output):
         self.scheduler.on_report(connector_output.kv_connector_worker_meta)
 
+    @in_engine_loop
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         self.scheduler.finish(request.request_id)
         return False, None
 
+    @in_engine_loop
     def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
-        return self.request_finished(request, block_ids)
+        self.scheduler.finish(request.request_id)
+        return False, None
 
     # -- worker -----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches):
         self.worker.register(kv_caches)
 
+    @in_engine_loop
     def start_load_kv(self, forward_context, **kwargs) -> None:
         self.worker.load(self._get_connector_metadata())
 
@@ -150,9 +181,11 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
         return
 
+    @in_engine_loop
     def wait_for_save(self):
         self.worker.store(self._get_connector_metadata())
 
+    @in_engine_loop
     def get_transfer_results(self, finished_req_ids) -> KVConnectorTransferResults:
         # Failed loads go by request: vLLM 0.32 refuses block-level failures
         # (get_block_ids_with_load_errors) for models with several KV cache groups, as hybrid
@@ -160,6 +193,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         loaded, failed = self.worker.finished_loads()
         return KVConnectorTransferResults(finished_recving=loaded | failed, failed_recving=failed)
 
+    @in_engine_loop
     def build_connector_worker_meta(self):
         return self.worker.take_report()
 

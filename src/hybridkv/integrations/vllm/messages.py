@@ -54,6 +54,7 @@ class RankReport:
     stored: set[int] = field(default_factory=set)
     store_failures: set[int] = field(default_factory=set)
     mapped: bool = False          # the worker has just mapped every RAM region
+    engine_s: float = 0.0         # seconds in the connector's hooks since the last report
 
     def __bool__(self) -> bool:
         return bool(self.loaded or self.load_failures or self.stored or self.store_failures or self.mapped)

@@ -73,6 +73,8 @@ class WorkerSide:
         self._loads_within_step: list[_Batch] = []
         self._stores: list[_Batch] = []
         self.counters = {"load_bytes": 0, "store_bytes": 0, "load_s": 0.0, "store_s": 0.0}
+        self.engine_s = 0.0                  # in the connector's hooks, all told
+        self._engine_s_taken = {"counters": 0.0, "report": 0.0}
 
     def register(self, kv_caches: dict) -> None:
         views = block_views(self.layout, kv_caches, self.num_blocks)
@@ -149,10 +151,19 @@ class WorkerSide:
             self.counters[f"{batch.kind}_bytes"] += batch.nbytes
             self.counters[f"{batch.kind}_s"] += sum(t.seconds() for t in batch.transfers)
 
+    def _engine_s_since(self, taker: str) -> float:
+        seconds = self.engine_s - self._engine_s_taken[taker]
+        self._engine_s_taken[taker] = self.engine_s
+        return seconds
+
     def take_counters(self) -> dict:
+        """The copy counters since the last call, with the hook time that went with them (a
+        step that copied nothing reports nothing: its time goes with the next one)."""
         counters = self.counters
+        if not any(counters.values()):
+            return counters
         self.counters = dict.fromkeys(counters, 0)
-        return counters
+        return {**counters, "engine_s": self._engine_s_since("counters")}
 
     def take_report(self) -> WorkerReport | None:
         """Asynchronous loads go in only through ``finished_loads``: vLLM must hear of one
@@ -161,7 +172,10 @@ class WorkerSide:
         self._collect(self._stores, self.report.stored)
         self._collect(self._loads_within_step, self.report.loaded)     # after vLLM's finished_loads
         report, self.report = self.report, RankReport()
-        return WorkerReport({self.rank: report}) if report else None
+        if not report:
+            return None
+        report.engine_s = self._engine_s_since("report")
+        return WorkerReport({self.rank: report})
 
     def finished_loads(self) -> tuple[set[str], set[str]]:
         """Loads completed so far and failed ones; vLLM asks before it takes the step's report."""
