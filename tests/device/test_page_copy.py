@@ -61,6 +61,24 @@ def test_pages_load_into_any_other_layout_bit_identical(layout, staged, region):
             assert not d[[1, 2, 3, 5]].any()     # blocks not named stay zero
 
 
+@pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
+def test_consecutive_slots_copy_as_one_run_and_land_like_scattered_ones(staged, region):
+    """Slots in a row are copied as one slice of the region (the fast path), both ways."""
+    src = views("LBHNC")
+    r = region(block_bytes(src))
+    PageCopier({0: src}, {0: r.page_bytes}, staged=staged).save(0, r, [1, 2, 3], [5, 0, 3]).wait()
+    for slot, block in ((1, 5), (2, 0), (3, 3)):
+        assert torch.equal(torch.from_numpy(r.array[slot].copy()), expected_page(src, block))
+    assert not r.array[[0, 4, 5]].any()
+    dst = views("LBHNC", seed=1)
+    for t in dst:
+        t.zero_()
+    PageCopier({0: dst}, {0: r.page_bytes}, staged=staged).load(0, r, [2, 3], [1, 4]).wait()
+    for s, d in zip(src, dst, strict=True):
+        assert torch.equal(d[1], s[0]) and torch.equal(d[4], s[3])
+        assert not d[[0, 2, 3, 5]].any()
+
+
 def test_a_kernel_split_folds_to_the_same_page_as_whole_blocks(region):
     whole, split = views("LBNHC", seed=3), None
     raw = attention_caches("LBNHC", split=2, **DIMS)

@@ -219,7 +219,7 @@ def step_costs(family: str, work: Path, model: Path) -> dict:
     """vLLM alone, hybridkv in RAM, hybridkv with a disk store: the same batches of unique
     prompts (16 output tokens each) in an offline engine, one process each, in turn for
     ``STEP_ROUNDS`` rounds (engine processes of one configuration differ by a few percent)."""
-    from hybridkv.tools.bench_vllm import run_engine     # needs vLLM (the report does not)
+    from hybridkv.tools.bench_vllm import run_engine  # needs vLLM (the report does not)
 
     rng = random.Random(7)
     batches = [unique_prompts(16, seed=rng.randrange(1 << 30))] + \

@@ -348,10 +348,16 @@ class SchedulerSide:
             self.stats.promotion_failures += 1
 
     def _plan_block_stores(self, ctx: _Request, start: int, end: int, block_ids, plan: StepPlan) -> None:
+        """The prompt blocks the step completed, in one reservation; where RAM cannot take
+        them all now, block by block from the first, as far as it can."""
         state, conn, B = ctx.state, self.connector, self.B
-        for j in range(start // B, min(end // B, len(state.keys))):
-            if conn.wants_block(state, j):
-                self._reserve(ctx, PageKind.ATTENTION, conn.token_groups, j, block_ids, plan)
+        blocks = [j for j in range(start // B, min(end // B, len(state.keys))) if conn.wants_block(state, j)]
+        if not blocks or self._reserve(ctx, PageKind.ATTENTION, conn.token_groups, blocks, block_ids, plan):
+            return
+        if len(blocks) > 1:
+            for j in blocks:
+                if not self._reserve(ctx, PageKind.ATTENTION, conn.token_groups, [j], block_ids, plan):
+                    break
 
     def _plan_state_stores(self, ctx: _Request, states: list[tuple[int, int, int]], plan: StepPlan) -> None:
         """Only states vLLM handed off are stored, from the exact blocks it named: a block
@@ -364,25 +370,31 @@ class SchedulerSide:
                 continue                  # not on this cache's key grid
             if set(self.connector.state_groups) <= blocks.keys() and self.connector.wants_state(ctx.state, boundary):
                 block_ids = {gid: {boundary // self.B - 1: block} for gid, block in blocks.items()}
-                self._reserve(ctx, PageKind.STATE, self.connector.state_groups, boundary // self.B - 1,
+                self._reserve(ctx, PageKind.STATE, self.connector.state_groups, [boundary // self.B - 1],
                               block_ids, plan)
 
-    def _reserve(self, ctx: _Request, kind: PageKind, groups: list[int], block: int, block_ids,
-                 plan: StepPlan) -> None:
-        if any(block_ids[gid][block] == 0 for gid in groups):
-            return                        # a group no longer holds this block (sliding window)
-        key = ctx.state.keys[block]
-        plans = self.cache.prepare_store({gid: [key] for gid in groups})
+    def _reserve(self, ctx: _Request, kind: PageKind, groups: list[int], blocks: list[int], block_ids,
+                 plan: StepPlan) -> bool:
+        """One reservation for these blocks' pages in ``groups``; False (counted) where RAM
+        refused it."""
+        # a group that no longer holds a block (sliding window) has nothing to give for it
+        blocks = [j for j in blocks if all(block_ids[gid][j] for gid in groups)]
+        if not blocks:
+            return True
+        keys = ctx.state.keys
+        plans = self.cache.prepare_store({gid: [keys[j] for j in blocks] for gid in groups})
         if plans is None:
             self.stats.stores_refused += 1
-            return
-        copies = [Copy(gid, p.slots, [block_ids[gid][block]]) for gid, p in plans.items() if p.keys]
-        if not copies:
-            return                        # already stored
-        rid = self._next_reservation
-        self._next_reservation += 1
-        self._reservations[rid] = _Reservation(ctx.state.request_id, plans, kind)
-        plan.stores[rid] = copies
+            return False
+        block_of = {keys[j]: j for j in blocks}
+        copies = [Copy(gid, p.slots, [block_ids[gid][block_of[k]] for k in p.keys])
+                  for gid, p in plans.items() if p.keys]
+        if copies:                        # (else all stored already)
+            rid = self._next_reservation
+            self._next_reservation += 1
+            self._reservations[rid] = _Reservation(ctx.state.request_id, plans, kind)
+            plan.stores[rid] = copies
+        return True
 
     # -- worker reports ---------------------------------------------------------------------
     def on_report(self, report: WorkerReport | None) -> None:
