@@ -140,11 +140,27 @@ def test_states_are_stored_only_where_vllm_hands_them_off_from_the_block_it_name
     side.match(request("w"), 0)
     span = {"w": (0, 3 * B)}                         # a chunk that ends on the block grid at 3B
     plan = side.plan_step(span, lambda rid: BLOCK_IDS, {})
-    assert len(plan.stores) == 3 and not state_copies(plan)      # attention blocks, no state
+    # the chunk's three attention blocks in one reservation, no state
+    assert [c.blocks for cs in plan.stores.values() for c in cs] == [[4, 5, 6]] and not state_copies(plan)
     handoff = {"w": [(0, 42, 3 * B), (0, 43, 3 * B - 5)]}       # 3B - 5 is off this cache's grid
     plan = side.plan_step({}, lambda rid: BLOCK_IDS, handoff)
     (copy,) = state_copies(plan)
     assert copy.blocks == [42]                       # the block vLLM named, not the table's 9
+    side.close()
+
+
+def test_blocks_ram_cannot_take_at_once_are_reserved_one_by_one_from_the_first(tmp_path):
+    config, kv = vllm_objects(block=B)
+    config.kv_transfer_config = SimpleNamespace(kv_load_failure_policy="fail")
+    side = SchedulerSide(config, kv, {"ram_dir": str(tmp_path), "ram_bytes": "512KiB"})
+    assert side.cache.stats()["groups"][1]["slots"] == 7
+    other = SimpleNamespace(**{**vars(request("x")), "prompt_token_ids": tokens(52, 5 * B + 1)})
+    side.match(other, 0)
+    side.plan_step({"x": (0, 5 * B)}, lambda rid: ([1] * 5, [11, 12, 13, 14, 15]), {})  # 5 slots being written
+    side.match(request("w"), 0)
+    plan = side.plan_step({"w": (0, 3 * B)}, lambda rid: BLOCK_IDS, {})
+    assert sorted(c.blocks for cs in plan.stores.values() for c in cs) == [[4], [5]]   # 2 slots were left
+    assert side.stats.stores_refused == 2            # the three at once, then the third
     side.close()
 
 
@@ -164,7 +180,7 @@ def test_under_tensor_parallelism_a_page_is_published_only_when_every_rank_wrote
     side.match(request("w"), 0)
     plan = side.plan_step({"w": (0, 3 * B + 1)}, lambda rid: BLOCK_IDS, {"w": [(0, 9, 3 * B)]})
     stores = set(plan.stores)
-    assert len(stores) == 4
+    assert len(stores) == 2                          # the three blocks' pages, the state
     side.on_report(report(1, stored=stores))
     assert hit_tokens(side) == 0                     # rank 0 has not written its slices yet
     side.on_report(report(0, stored=stores))
@@ -179,7 +195,7 @@ def test_under_tensor_parallelism_one_rank_failing_a_store_fails_the_page(tmp_pa
     side.on_report(report(0, store_failures=set(plan.stores)))
     assert side.stats.store_failures == 0            # rank 1 may still be writing: slots held
     side.on_report(report(1, stored=set(plan.stores)))
-    assert hit_tokens(side) == 0 and side.stats.store_failures == 4
+    assert hit_tokens(side) == 0 and side.stats.store_failures == 2
     side.close()
 
 
