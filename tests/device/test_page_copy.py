@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hybridkv.core.errors import HybridKVError
-from hybridkv.device.page_copy import PageCopier, block_bytes, fold_kernel_blocks
+from hybridkv.device.page_copy import PageCopier, block_bytes, fold_kernel_blocks, slot_rows
 from hybridkv.ram.regions import SharedRegion
 from hybridkv.tools.gpu_check import LAYOUT_ORDERS, attention_caches, state_caches
 
@@ -59,6 +59,13 @@ def test_pages_load_into_any_other_layout_bit_identical(layout, staged, region):
         for s, d in zip(src, dst, strict=True):
             assert torch.equal(d[0], s[2]) and torch.equal(d[4], s[5])
             assert not d[[1, 2, 3, 5]].any()     # blocks not named stay zero
+
+
+def test_only_consecutive_ascending_slots_are_copied_as_one_slice():
+    assert slot_rows([1, 2, 3]) == slice(1, 4) and slot_rows(range(4, 6)) == slice(4, 6)
+    assert slot_rows([]) == slice(0, 0)
+    for scattered in ([3, 1], [1, 3], [2, 1, 0]):
+        assert torch.equal(slot_rows(scattered), torch.tensor(scattered))
 
 
 @pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])

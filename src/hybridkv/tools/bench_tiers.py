@@ -370,7 +370,7 @@ def bench_remote(url: str, page_bytes: int = MiB, pages: int = 64, repeats: int 
 def _redis_benchmark(url: str, value_bytes: int, pipeline: int, keys: int, nbytes: int) -> dict | None:
     """The server's own client with the same value size, one connection, the same pipeline
     depth and as many distinct keys (one hot key would be served from the CPU's caches),
-    about ``nbytes`` per command: the wire ceiling for what the tier does."""
+    ``nbytes`` per command but at least 1,000 requests: the wire ceiling for what the tier does."""
     from urllib.parse import urlsplit
 
     if shutil.which("redis-benchmark") is None:

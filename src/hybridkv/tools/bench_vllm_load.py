@@ -290,6 +290,10 @@ def main(argv: list[str] | None = None) -> int:
                  "tiers": "RAM" if args.ram_only else "RAM and a disk store", "runs": {}}
     if args.steps_only and args.out.exists():       # the server runs stay as the last full run left them
         res = json.loads(args.out.read_text())
+        if res.get("family") != args.family:
+            print(f"bench_vllm_load: error: {args.out} holds {res.get('family')}'s server runs; "
+                  f"--steps-only for {args.family} needs another --out", file=sys.stderr)
+            return 2
     res["machine"] = machine()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

@@ -11,7 +11,7 @@ import torch
 
 from hybridkv.core.errors import HybridKVError
 from hybridkv.integrations.vllm import scheduler as scheduler_module
-from hybridkv.integrations.vllm.messages import RankReport, WorkerReport
+from hybridkv.integrations.vllm.messages import ENGINE_S_ALONE, RankReport, WorkerReport
 from hybridkv.integrations.vllm.scheduler import SchedulerSide
 from hybridkv.integrations.vllm.worker import WorkerSide
 
@@ -160,7 +160,20 @@ def test_blocks_ram_cannot_take_at_once_are_reserved_one_by_one_from_the_first(t
     side.match(request("w"), 0)
     plan = side.plan_step({"w": (0, 3 * B)}, lambda rid: BLOCK_IDS, {})
     assert sorted(c.blocks for cs in plan.stores.values() for c in cs) == [[4], [5]]   # 2 slots were left
-    assert side.stats.stores_refused == 2            # the three at once, then the third
+    assert side.stats.stores_refused == 1            # the third block, refused
+    side.close()
+
+
+def test_worker_hook_time_reaches_the_scheduler_with_a_report_or_alone_once_it_adds_up(tmp_path):
+    side = fresh_scheduler(tmp_path)
+    worker = WorkerSide(*vllm_objects(block=B))
+    worker.engine_s = ENGINE_S_ALONE / 2             # a decoding step's hooks: nothing copied
+    assert worker.take_report() is None and worker.take_counters()["load_bytes"] == 0
+    worker.engine_s = 2 * ENGINE_S_ALONE             # enough to go on its own
+    side.on_report(worker.take_report())
+    assert side.stats.worker_engine_s == pytest.approx(2 * ENGINE_S_ALONE)
+    assert worker.take_report() is None              # nothing new since
+    assert worker.take_counters()["engine_s"] == pytest.approx(2 * ENGINE_S_ALONE)
     side.close()
 
 
@@ -217,7 +230,8 @@ def test_under_tensor_parallelism_a_hit_stays_pinned_until_every_rank_loaded_it(
     side.close()
 
 
-def test_a_stats_file_that_cannot_be_written_is_logged_once_and_never_raised(tmp_path, caplog):
+def test_a_stats_file_that_cannot_be_written_is_logged_once_and_never_raised(tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(scheduler_module, "STATS_INTERVAL_S", 3600.0)     # however slow this machine
     side = scheduler(tmp_path, stats_file=str(tmp_path / "missing-dir" / "stats.json"))
     for rid in ("a", "b"):
         side.match(request(rid), 0)

@@ -9,6 +9,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+# hook time goes with the next report or counters; on its own once it reaches this much
+# (steps that copy nothing, as decoding ones, would otherwise never send theirs)
+ENGINE_S_ALONE = 0.01
+
 
 @dataclass(frozen=True)
 class RegionInfo:
@@ -57,7 +61,8 @@ class RankReport:
     engine_s: float = 0.0         # seconds in the connector's hooks since the last report
 
     def __bool__(self) -> bool:
-        return bool(self.loaded or self.load_failures or self.stored or self.store_failures or self.mapped)
+        return bool(self.loaded or self.load_failures or self.stored or self.store_failures or self.mapped
+                    or self.engine_s)
 
 
 @dataclass

@@ -39,7 +39,13 @@ from hybridkv.integrations.vllm.layout import (
     layout_from_vllm,
     load_within_step,
 )
-from hybridkv.integrations.vllm.messages import Copy, RegionInfo, StepPlan, WorkerReport
+from hybridkv.integrations.vllm.messages import (
+    ENGINE_S_ALONE,
+    Copy,
+    RegionInfo,
+    StepPlan,
+    WorkerReport,
+)
 from hybridkv.integrations.vllm.request_identity import request_identity
 from hybridkv.integrations.vllm.stopping import drain_before_stop
 
@@ -90,8 +96,8 @@ class SchedulerStats:
     promotions_waited: int = 0    # loads that waited for disk/Redis reads in the background
     promotion_failures: int = 0   # of those, loads a read failed (vLLM recomputes them)
     match_ms_max: float = 0.0     # the longest lookup vLLM's scheduler waited for
-    stores_refused: int = 0       # RAM had no free slot (everything pinned) for an offer
-    store_failures: int = 0
+    stores_refused: int = 0       # stores RAM refused (nothing evictable): a state, or a request's blocks of a step
+    store_failures: int = 0       # reservations (a request's pages of a step) a worker failed to copy
     junctions_requested: int = 0
     loads_within_step: int = 0    # loads copied in the step that ran the request, not one before
     hits_trimmed: int = 0         # vLLM accepted another hit than the one pinned: recomputed
@@ -350,14 +356,16 @@ class SchedulerSide:
     def _plan_block_stores(self, ctx: _Request, start: int, end: int, block_ids, plan: StepPlan) -> None:
         """The prompt blocks the step completed, in one reservation; where RAM cannot take
         them all now, block by block from the first, as far as it can."""
-        state, conn, B = ctx.state, self.connector, self.B
-        blocks = [j for j in range(start // B, min(end // B, len(state.keys))) if conn.wants_block(state, j)]
-        if not blocks or self._reserve(ctx, PageKind.ATTENTION, conn.token_groups, blocks, block_ids, plan):
+        state, conn, B, groups = ctx.state, self.connector, self.B, self.connector.token_groups
+        # a block some group no longer holds (sliding window) has nothing to give
+        blocks = [j for j in range(start // B, min(end // B, len(state.keys)))
+                  if conn.wants_block(state, j) and all(block_ids[gid][j] for gid in groups)]
+        if not blocks or (len(blocks) > 1 and self._reserve(ctx, PageKind.ATTENTION, groups, blocks, block_ids, plan)):
             return
-        if len(blocks) > 1:
-            for j in blocks:
-                if not self._reserve(ctx, PageKind.ATTENTION, conn.token_groups, [j], block_ids, plan):
-                    break
+        for j in blocks:
+            if not self._reserve(ctx, PageKind.ATTENTION, groups, [j], block_ids, plan):
+                self.stats.stores_refused += 1
+                return
 
     def _plan_state_stores(self, ctx: _Request, states: list[tuple[int, int, int]], plan: StepPlan) -> None:
         """Only states vLLM handed off are stored, from the exact blocks it named: a block
@@ -368,23 +376,19 @@ class SchedulerSide:
         for boundary, blocks in sorted(by_boundary.items()):
             if boundary % self.B or not 0 < boundary <= len(ctx.state.keys) * self.B:
                 continue                  # not on this cache's key grid
-            if set(self.connector.state_groups) <= blocks.keys() and self.connector.wants_state(ctx.state, boundary):
+            if (set(self.connector.state_groups) <= blocks.keys() and all(blocks.values())
+                    and self.connector.wants_state(ctx.state, boundary)):
                 block_ids = {gid: {boundary // self.B - 1: block} for gid, block in blocks.items()}
-                self._reserve(ctx, PageKind.STATE, self.connector.state_groups, [boundary // self.B - 1],
-                              block_ids, plan)
+                if not self._reserve(ctx, PageKind.STATE, self.connector.state_groups, [boundary // self.B - 1],
+                                     block_ids, plan):
+                    self.stats.stores_refused += 1
 
     def _reserve(self, ctx: _Request, kind: PageKind, groups: list[int], blocks: list[int], block_ids,
                  plan: StepPlan) -> bool:
-        """One reservation for these blocks' pages in ``groups``; False (counted) where RAM
-        refused it."""
-        # a group that no longer holds a block (sliding window) has nothing to give for it
-        blocks = [j for j in blocks if all(block_ids[gid][j] for gid in groups)]
-        if not blocks:
-            return True
+        """One reservation for these blocks' pages in ``groups``; False where RAM refused it."""
         keys = ctx.state.keys
         plans = self.cache.prepare_store({gid: [keys[j] for j in blocks] for gid in groups})
         if plans is None:
-            self.stats.stores_refused += 1
             return False
         block_of = {keys[j]: j for j in blocks}
         copies = [Copy(gid, p.slots, [block_ids[gid][block_of[k]] for k in p.keys])
@@ -474,7 +478,7 @@ class SchedulerSide:
         now = {"loaded_tokens": self.stats.loaded_tokens,
                "stored_pages": self.connector.stats["pages_stored"], "engine_s": self.stats.engine_s}
         delta = {k: v - self._reported[k] for k, v in now.items()}
-        if not delta["loaded_tokens"] and not delta["stored_pages"]:
+        if not delta["loaded_tokens"] and not delta["stored_pages"] and delta["engine_s"] < ENGINE_S_ALONE:
             return dict.fromkeys(delta, 0)     # the hook time goes with the next change
         self._reported = now
         return delta

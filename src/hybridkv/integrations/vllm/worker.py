@@ -26,7 +26,13 @@ from functools import partial
 from hybridkv.core.errors import HybridKVError
 from hybridkv.device.page_copy import PageCopier, Transfer
 from hybridkv.integrations.vllm.layout import layout_from_vllm
-from hybridkv.integrations.vllm.messages import Copy, RankReport, StepPlan, WorkerReport
+from hybridkv.integrations.vllm.messages import (
+    ENGINE_S_ALONE,
+    Copy,
+    RankReport,
+    StepPlan,
+    WorkerReport,
+)
 from hybridkv.integrations.vllm.views import block_views, check_views, resolved_layout
 from hybridkv.ram.regions import PinningFailed, SharedRegion
 
@@ -156,11 +162,14 @@ class WorkerSide:
         self._engine_s_taken[taker] = self.engine_s
         return seconds
 
+    def _engine_s_due(self, taker: str) -> bool:
+        return self.engine_s - self._engine_s_taken[taker] >= ENGINE_S_ALONE
+
     def take_counters(self) -> dict:
-        """The copy counters since the last call, with the hook time that went with them (a
-        step that copied nothing reports nothing: its time goes with the next one)."""
+        """The copy counters since the last call, with the hook time that went with them (the
+        time of steps that copied nothing waits until it reaches ``ENGINE_S_ALONE``)."""
         counters = self.counters
-        if not any(counters.values()):
+        if not any(counters.values()) and not self._engine_s_due("counters"):
             return counters
         self.counters = dict.fromkeys(counters, 0)
         return {**counters, "engine_s": self._engine_s_since("counters")}
@@ -172,7 +181,7 @@ class WorkerSide:
         self._collect(self._stores, self.report.stored)
         self._collect(self._loads_within_step, self.report.loaded)     # after vLLM's finished_loads
         report, self.report = self.report, RankReport()
-        if not report:
+        if not report and not self._engine_s_due("report"):
             return None
         report.engine_s = self._engine_s_since("report")
         return WorkerReport({self.rank: report})
