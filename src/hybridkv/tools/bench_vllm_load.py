@@ -298,9 +298,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model = save_tiny_checkpoint(args.family, work / "model")
+        # the steps first: a stopped server's engine processes can still be exiting for a while
+        # (once they doubled the worker hooks' time of the run after them)
+        res["steps"] = step_costs(args.family, work, model)
         if not args.steps_only:
             res["runs"] = serve_runs(args.family, model, args.clients, args.requests, work, args.ram_only)
-        res["steps"] = step_costs(args.family, work, model)
     args.out.write_text(json.dumps(res, indent=1))
     print(table(res))
     return 0
