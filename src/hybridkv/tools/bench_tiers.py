@@ -325,7 +325,7 @@ def bench_remote(url: str, page_bytes: int = MiB, pages: int = 64, repeats: int 
         tier.write_many([(0, k, data[i]) for i, k in enumerate(keys)])
         tier.read_many([(0, k, outs[i]) for i, k in enumerate(keys)])
     depth = max(1, RAW_PIPELINE_BYTES // page_bytes)
-    paired: list[dict] = []           # each repeat's redis-benchmark figures, with the tier's
+    paired: list[tuple[dict, dict]] = []    # each repeat's redis-benchmark figures and the tier's
     for _ in range(repeats):
         for name, tier in tiers.items():
             t = time.perf_counter()
@@ -345,7 +345,7 @@ def bench_remote(url: str, page_bytes: int = MiB, pages: int = 64, repeats: int 
         runs["naive_get"].append(gbps(data.nbytes, time.perf_counter() - t))
         ceiling = _redis_benchmark(url, page_bytes, depth, pages, 2 * data.nbytes)
         if ceiling is not None:
-            paired.append({**ceiling, "tier": {op: runs[op][-1] for op in ("set", "get")}})
+            paired.append((ceiling, {op: runs[op][-1] for op in ("set", "get")}))
     for name in client.scan_iter(match="hybridkv-bench*"):
         client.delete(name)
     for tier in tiers.values():
@@ -353,14 +353,12 @@ def bench_remote(url: str, page_bytes: int = MiB, pages: int = 64, repeats: int 
     med = {k: statistics.median(v) for k, v in runs.items()}
     ceiling = None
     if paired:
-        ceiling = {**{k: v for k, v in paired[0].items() if k != "tier"},
-                   **{f"{op}_gbps": statistics.median(p[f"{op}_gbps"] for p in paired)
-                                   for op in ("set", "get")},
+        by_op = {op: [c[f"{op}_gbps"] for c, _ in paired] for op in ("set", "get")}
+        ceiling = {**paired[0][0], **{f"{op}_gbps": statistics.median(v) for op, v in by_op.items()},
                    "repeats": len(paired),
-                   "ratios": {op: statistics.median(p["tier"][op] / p[f"{op}_gbps"] for p in paired)
-                              for op in ("set", "get")},
-                   "spread": {op: [min(p[f"{op}_gbps"] for p in paired), max(p[f"{op}_gbps"] for p in paired)]
-                              for op in ("set", "get")}}
+                   "ratios": {op: statistics.median(tier[op] / c[f"{op}_gbps"] for c, tier in paired)
+                              for op in by_op},
+                   "spread": {op: [min(v), max(v)] for op, v in by_op.items()}}
     return {"page_bytes": page_bytes, "hiredis": HIREDIS_AVAILABLE, "pipeline": depth,
             **{f"{k}_gbps": v for k, v in med.items()},
             "redis_benchmark": ceiling,

@@ -130,6 +130,11 @@ def _one(client, prompt: list[int]) -> dict:
             "output": len(stamps)}
 
 
+def percentile_ms(sorted_s: list[float], q: float) -> float | None:
+    """The ``q`` quantile of sorted seconds, in ms (None for none)."""
+    return sorted_s[min(len(sorted_s) - 1, int(q * len(sorted_s)))] * 1e3 if sorted_s else None
+
+
 def drive(port: int, prompts: list[list[int]], clients: int) -> dict:
     """Send ``prompts`` from ``clients`` threads, each taking the next one when done."""
     import openai
@@ -157,14 +162,10 @@ def drive(port: int, prompts: list[list[int]], clients: int) -> dict:
     done = [r for r in results if r is not None]
     ttft = sorted(r["ttft_s"] for r in done)
     itl = sorted(g for r in done for g in r["itl_s"])
-
-    def pct(xs, q):
-        return xs[min(len(xs) - 1, int(q * len(xs)))] * 1e3 if xs else None
-
     return {"requests": len(done), "wall_s": wall, "requests_per_s": len(done) / wall,
             "output_tokens_per_s": sum(r["output"] for r in done) / wall,
-            "ttft_p50_ms": statistics.median(ttft) * 1e3, "ttft_p99_ms": pct(ttft, 0.99),
-            "itl_p50_ms": pct(itl, 0.5), "itl_p99_ms": pct(itl, 0.99),
+            "ttft_p50_ms": statistics.median(ttft) * 1e3, "ttft_p99_ms": percentile_ms(ttft, 0.99),
+            "itl_p50_ms": percentile_ms(itl, 0.5), "itl_p99_ms": percentile_ms(itl, 0.99),
             "hit_rate": sum(r["cached"] for r in done) / max(1, sum(r["prompt"] for r in done))}
 
 
@@ -205,7 +206,7 @@ def _step_figures(runs: list[dict]) -> dict:
     figures = {"batch_s": statistics.median(sum(r["step_s"]) for r in timed),
                "steps_per_batch": statistics.median(len(r["step_s"]) for r in timed),
                "step_p50_ms": statistics.median(steps) * 1e3,
-               "step_p99_ms": steps[min(len(steps) - 1, int(0.99 * len(steps)))] * 1e3}
+               "step_p99_ms": percentile_ms(steps, 0.99)}
     if all(run.get("stats") for run in runs):
         every_step = sum(s for run in runs for r in run["requests"] for s in r["step_s"])
         scheduler = sum(run["stats"]["vllm"]["engine_s"] for run in runs)

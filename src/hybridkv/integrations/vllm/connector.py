@@ -162,10 +162,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler.finish(request.request_id)
         return False, None
 
-    @in_engine_loop
-    def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
-        self.scheduler.finish(request.request_id)
-        return False, None
+    request_finished_all_groups = request_finished     # (vLLM's name for hybrid models)
 
     # -- worker -----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches):
