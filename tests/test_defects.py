@@ -40,11 +40,11 @@ def test_fs_read_error_is_a_miss_not_a_quarantine(tmp_path, monkeypatch):
 def test_redis_error_reply_on_read_is_a_miss(redis_url):
     tier = RemoteTier(redis_url, LAYOUT)
     assert tier.write_many([(1, key(5), page(1, 5))])
-    header, *chunks = tier.page_keys(1, key(5))
+    names = tier.page_keys(1, key(5))
     client = redis.Redis.from_url(redis_url)
-    client.delete(header, *chunks)
-    client.rpush(chunks[0], b"x")               # WRONGTYPE for GET / STRLEN
-    client.rpush(header, b"x")
+    client.delete(*names)
+    for name in names:
+        client.rpush(name, b"x")                # WRONGTYPE for GET / STRLEN
     out = np.empty(LAYOUT.group(1).page_bytes, np.uint8)
     assert tier.read_many([(1, key(5), out)]) == [False]
     assert tier.stats["errors"] >= 1

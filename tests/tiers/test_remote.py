@@ -12,6 +12,7 @@ from hybridkv.config import CacheConfig
 from hybridkv.core.layout import layout_from_dict
 from hybridkv.engine.engine import Engine
 from hybridkv.tiers.remote import RemoteTier, masked
+from hybridkv.tiers.resp import RawClient
 
 from helpers.cli import assert_one_line_error, cli, run_cli
 from helpers.redis_server import RedisServer, free_port
@@ -55,10 +56,51 @@ def test_commands_carry_the_slot_itself_even_with_hiredis(redis_url):
     tier.close()
 
 
+def test_a_page_of_one_chunk_is_one_value_holding_header_and_payload(redis_url):
+    tier = RemoteTier(redis_url, LAYOUT)
+    (name,) = tier.page_keys(1, key(4))
+    assert tier.write(1, key(4), page(1, 4))
+    value = redis.Redis.from_url(redis_url).get(name)
+    assert value[:4] == b"HKVP" and value[64:] == page(1, 4).tobytes()
+    tier.close()
+
+
+def test_slot_client_hands_each_value_over_as_it_lands_and_makes_values_as_it_sends(redis_url):
+    """What lets the tier hash a page while it is in the CPU's caches and while the server
+    works on the next one: ``landed(i)`` runs once value i is in its sink, before the next
+    reply is read; a SET's value given as a function is made when its turn to be sent comes."""
+    client = RawClient(redis_url, 5.0)
+    made = []
+
+    def value(i):
+        def make():
+            made.append(i)
+            return (bytes([i]) * 8, np.full(100_000, i, np.uint8))     # one value of two buffers
+        return make
+
+    client.set_many([(f"resp-test:{i}", value(i)) for i in range(3)])
+    assert made == [0, 1, 2]
+    heads = [bytearray(8) for _ in range(3)]
+    bodies = [np.zeros(100_000, np.uint8) for _ in range(3)]
+    seen = []
+
+    def landed(i):
+        seen.append((i, heads[i] == bytes([i]) * 8, bool((bodies[i] == i).all()),
+                     [bool(b.any()) for b in bodies]))
+
+    sinks = [(memoryview(h), memoryview(b)) for h, b in zip(heads, bodies, strict=True)]
+    got = client.get_into([f"resp-test:{i}" for i in range(3)] + ["resp-test:none"], sinks + [None], landed)
+    assert got == [True, True, True, None]
+    # value 1 (all ones) landed while value 2's sink was still empty
+    assert seen[1] == (1, True, True, [False, True, False]) and [s[0] for s in seen] == [0, 1, 2]
+    assert all(s[1] and s[2] for s in seen)
+    client.close()
+
+
 def test_large_pages_are_chunked_within_one_slot(redis_url):
     tier = RemoteTier(redis_url, LAYOUT, chunk_bytes=5000)
     names = tier.page_keys(1, key(3))
-    assert len(names) == 1 + 4 and len({n.split("{")[1].split("}")[0] for n in names}) == 1
+    assert len(names) == 4 and len({n.split("{")[1].split("}")[0] for n in names}) == 1
     assert tier.write(1, key(3), page(1, 3))
     out = np.empty(LAYOUT.group(1).page_bytes, np.uint8)
     assert tier.read(1, key(3), out) and np.array_equal(out, page(1, 3))
@@ -72,14 +114,13 @@ def test_corrupt_value_is_a_miss_and_deleted(redis_url):
     tier = RemoteTier(redis_url, LAYOUT)
     tier.write(0, key(1), page(0, 1))
     client = redis.Redis.from_url(redis_url)
-    name = tier.page_keys(0, key(1))[1]          # the payload chunk
+    (name,) = tier.page_keys(0, key(1))          # one chunk: header and payload
     blob = bytearray(client.get(name))
     blob[-10] ^= 0xFF
     client.set(name, bytes(blob))
     out = np.empty(4096, np.uint8)
     assert tier.read(0, key(1), out) is False
     assert tier.stats["corrupt"] == 1 and not client.exists(name)
-    assert not client.exists(tier.page_keys(0, key(1))[0])
     tier.close()
 
 
@@ -265,7 +306,7 @@ def test_slot_path_authenticates_selects_the_database_and_reads_what_redis_py_wr
         assert tcp.raw is not None and plain.raw is None and unix.raw is not None
         assert tcp.write_many([(1, key(i), page(1, i)) for i in range(3)])      # 4 chunks a page
         assert plain.write_many([(1, key(i), page(1, i)) for i in range(3, 6)])
-        assert redis.Redis(port=port, password="s3cret", db=3).exists(*tcp.page_keys(1, key(0))) == 5
+        assert redis.Redis(port=port, password="s3cret", db=3).exists(*tcp.page_keys(1, key(0))) == 4
         assert not client.exists(tcp.page_keys(1, key(0))[0])                 # not in database 0
         for reader in (tcp, plain, unix):
             outs = [np.empty(LAYOUT.group(1).page_bytes, np.uint8) for _ in range(7)]
@@ -287,7 +328,7 @@ def test_slot_path_authenticates_selects_the_database_and_reads_what_redis_py_wr
 def test_slot_path_refuses_a_value_of_the_wrong_size_as_corrupt(redis_url):
     tier = RemoteTier(redis_url, LAYOUT)
     assert tier.write(0, key(7), page(0, 7))
-    name = tier.page_keys(0, key(7))[1]
+    (name,) = tier.page_keys(0, key(7))
     redis.Redis.from_url(redis_url).set(name, b"short")          # another writer's truncated value
     out = np.empty(LAYOUT.group(0).page_bytes, np.uint8)
     assert not tier.read(0, key(7), out) and tier.stats["corrupt"] == 1

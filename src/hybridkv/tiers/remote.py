@@ -1,8 +1,11 @@
 """The shared remote tier on Redis or Valkey (single node or cluster).
 
-Pages are stored in the same self-checking format as on disk: the 64-byte header under
-``<prefix>:{<fingerprint>:<group>:<key hex>}:h`` and the payload in chunks ``...}:0``, ``...}:1``
-sent straight from the RAM slot (no copy); the hash tag keeps a page in one cluster slot.
+Pages are stored in the same self-checking format as on disk, in chunks
+``<prefix>:{<fingerprint>:<group>:<key hex>}:p0``, ``...}:p1``, ...: the first holds the 64-byte
+header and the payload's start, so a page of one chunk (any page up to ``CHUNK_BYTES``) is one
+value, one GET and one SET. Chunks go straight between the RAM slot and the socket (no copy),
+each page hashed just before it is sent and verified as soon as it landed; the hash tag keeps
+a page in one cluster slot.
 Existence checks, reads and writes are pipelined, one round trip per batch of up to
 ``PIPELINE_BYTES`` (redis-py parses huge pipelined replies slowly, so bigger batches are split).
 When the server is unreachable the tier answers "miss", skips stores, retries with
@@ -126,9 +129,12 @@ class RemoteTier(SecondaryTier):
         return -(-self.layout.group(group).page_bytes // self.chunk_bytes)
 
     def page_keys(self, group: int, key: bytes) -> list[str]:
-        """Header key first, then the payload chunks."""
+        """The page's chunks; the first carries the header and is written last."""
         base = f"{self.namespace}:{group}:{key.hex()}}}"
-        return [f"{base}:h"] + [f"{base}:{i}" for i in range(self._chunks(group))]
+        return [f"{base}:p{i}" for i in range(self._chunks(group))]
+
+    def _parts(self, data: memoryview, chunks: int) -> list[memoryview]:
+        return [data[i * self.chunk_bytes:(i + 1) * self.chunk_bytes] for i in range(chunks)]
 
     def _batches(self, items: list) -> list[list]:
         """Split items (group first) into pipelines of at most PIPELINE_BYTES (RAW_PIPELINE_BYTES
@@ -187,7 +193,7 @@ class RemoteTier(SecondaryTier):
 
     # -- lookups --------------------------------------------------------------------------
     def contains_many(self, group: int, keys: list[bytes]) -> list[bool]:
-        """One pipelined round trip: does chunk 0 of each page exist?"""
+        """One pipelined round trip: does the first chunk (written last) of each page exist?"""
         if not keys:
             return []
 
@@ -211,15 +217,27 @@ class RemoteTier(SecondaryTier):
         return results
 
     def _read_batch(self, items: list[tuple[int, bytes, np.ndarray]]) -> list[bool]:
-        names, sinks = [], []                  # every key, and the part of a slot its value fills
-        for group, key, out in items:
-            page, view = self.page_keys(group, key), memoryview(out).cast("B")
+        names, sinks = [], []          # every chunk, and where it goes: the header, then the slot
+        headers = [bytearray(pagefile.HEADER_BYTES) for _ in items]
+        last_chunk: dict[int, int] = {}         # a page's last chunk (value index) -> the page
+        for n, (group, key, out) in enumerate(items):
+            page = self.page_keys(group, key)
+            parts: list = self._parts(memoryview(out).cast("B"), len(page))
+            parts[0] = (memoryview(headers[n]), parts[0])
             names += page
-            sinks += [None] + [view[i * self.chunk_bytes:(i + 1) * self.chunk_bytes] for i in range(len(page) - 1)]
+            sinks += parts
+            last_chunk[len(names) - 1] = n
+        problems: list[str | None] = [None] * len(items)
+
+        def landed(index: int) -> None:       # the page's bytes are still in the CPU's caches
+            n = last_chunk.get(index)
+            if n is not None:
+                group, key, out = items[n]
+                problems[n] = self._problem(headers[n], out, group, key)
 
         def fetch():
-            if self.raw is not None:          # each chunk straight into its part of the slot
-                return self.raw.get_into(names, sinks)
+            if self.raw is not None:
+                return self.raw.get_into(names, sinks, landed)
             pipe = self.client.pipeline(transaction=False)
             for name in names:
                 pipe.get(name)
@@ -229,26 +247,16 @@ class RemoteTier(SecondaryTier):
         if values is None:
             return [False] * len(items)
         results, pos, bad, read_bytes = [], 0, [], 0
-        for group, key, out in items:
-            n = 1 + self._chunks(group)
-            header, chunks = values[pos], values[pos + 1:pos + n]
-            pos += n
-            if header is None or None in chunks:
+        for n, (group, key, out) in enumerate(items):
+            chunks = values[pos:pos + self._chunks(group)]
+            pos += len(chunks)
+            if chunks[0] is None:              # written last: the page is not (or no longer) there
                 results.append(False)
-                if header is not None:
-                    bad.append((group, key))      # a chunk was evicted: the rest is useless
                 continue
-            try:
-                if not all(c is True for c in chunks):      # True: read into the slot already
-                    if any(c is True for c in chunks) or sum(len(c) for c in chunks) != out.nbytes:
-                        raise pagefile.CorruptPage("payload size does not match the layout")
-                    offset = 0
-                    for chunk in chunks:
-                        out[offset:offset + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
-                        offset += len(chunk)
-                pagefile.verify(header, out, group, key)
-            except pagefile.CorruptPage as e:
-                log.warning("remote page %s is corrupt (%s); deleted", key.hex(), e)
+            problem = "a chunk is missing" if None in chunks else (
+                problems[n] if all(c is True for c in chunks) else self._copy_and_check(chunks, out, group, key))
+            if problem is not None:
+                log.warning("remote page %s is unusable (%s); deleted", key.hex(), problem)
                 bad.append((group, key))
                 results.append(False)
                 continue
@@ -262,6 +270,27 @@ class RemoteTier(SecondaryTier):
                 self.stats["corrupt"] += len(bad)
             self._call(lambda: self.client.delete(*[n for g, k in bad for n in self.page_keys(g, k)]))
         return results
+
+    @staticmethod
+    def _problem(header, out: np.ndarray, group: int, key: bytes) -> str | None:
+        try:
+            pagefile.verify(header, out, group, key)
+        except pagefile.CorruptPage as e:
+            return str(e)
+        return None
+
+    def _copy_and_check(self, chunks: list, out: np.ndarray, group: int, key: bytes) -> str | None:
+        """Chunks that came back as bytes (redis-py, or a value of unexpected size): into the slot."""
+        if any(c is True for c in chunks) or len(chunks[0]) < pagefile.HEADER_BYTES:
+            return "payload size does not match the layout"
+        header, parts = chunks[0][:pagefile.HEADER_BYTES], [memoryview(chunks[0])[pagefile.HEADER_BYTES:], *chunks[1:]]
+        if sum(len(c) for c in parts) != out.nbytes:
+            return "payload size does not match the layout"
+        offset = 0
+        for part in parts:
+            out[offset:offset + len(part)] = np.frombuffer(part, dtype=np.uint8)
+            offset += len(part)
+        return self._problem(header, out, group, key)
 
     def read(self, group: int, key: bytes, out: np.ndarray) -> bool:
         return self.read_many([(group, key, out)])[0]
@@ -285,9 +314,11 @@ class RemoteTier(SecondaryTier):
         for group, key, payload in items:
             data = memoryview(payload).cast("B")
             names = self.page_keys(group, key)
-            # payload chunks first, header last: a reader never sees a header without its data
-            pairs += [(name, data[i * self.chunk_bytes:(i + 1) * self.chunk_bytes]) for i, name in enumerate(names[1:])]
-            pairs.append((names[0], pagefile.make_header(group, key, data)))
+            parts = self._parts(data, len(names))
+            # the first chunk last, with the header: a reader never sees it without the rest;
+            # the header (a hash of the page) is made as the page is sent
+            pairs += list(zip(names[1:], parts[1:], strict=True))
+            pairs.append((names[0], lambda g=group, k=key, d=data, p=parts[0]: (pagefile.make_header(g, k, d), p)))
             size += pagefile.HEADER_BYTES + len(data)
 
         def send():
@@ -296,7 +327,7 @@ class RemoteTier(SecondaryTier):
                 return size
             pipe = self.client.pipeline(transaction=False)
             for name, value in pairs:
-                pipe.set(name, value, px=self.ttl_ms)
+                pipe.set(name, b"".join(value()) if callable(value) else value, px=self.ttl_ms)
             pipe.execute()
             return size
 

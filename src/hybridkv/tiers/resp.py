@@ -3,8 +3,12 @@
 redis-py turns every GET reply into a bytes object (hiredis parses it into a fresh buffer) that
 the tier then copies into the RAM slot, and packs every SET in Python. Here a pipeline of GETs
 reads each value straight into its slot (``recv_into``: no reply object, no copy) and a
-pipeline of SETs hands the slots' memoryviews to ``sendmsg`` as they are. Everything else
-(existence checks, deletes, scans, clusters, TLS) stays with redis-py.
+pipeline of SETs hands the slots' memoryviews to ``sendmsg`` as they are. A value may be
+several buffers (a page's header and its payload travel as one value without being joined),
+and each value's work is done as it goes: a SET's value may be computed just before it is
+sent, a GET's value handed to a callback as soon as it landed, so hashing a page overlaps the
+server's work on the next one and reads the page while it is still in the CPU's caches.
+Everything else (existence checks, deletes, scans, clusters, TLS) stays with redis-py.
 """
 
 from __future__ import annotations
@@ -12,12 +16,15 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 IOV_MAX = 1000          # buffers per sendmsg (the kernel's limit is 1024)
 READ_AHEAD = 1024 * 1024    # the receive buffer: small values and header lines come through it
 DIRECT_BYTES = 16 * 1024   # a value's rest at least this large goes from the socket into its slot
+SEND_BYTES = 256 * 1024    # a pipeline of SETs goes out in sends of about this much
+
+Buffers = object | tuple    # one buffer, or several sent (or filled) one after the other as one value
 
 
 class RespError(Exception):
@@ -52,7 +59,8 @@ class _Connection:
         if db and db != "0":
             setup.append([b"SELECT", db.encode()])
         if setup:
-            self.send([b"".join(_command(args)) for args in setup])
+            commands = [_plain(args) for args in setup]
+            self.send(commands, [len(c) for c in commands])
             try:
                 for _ in setup:
                     self.reply()
@@ -60,17 +68,20 @@ class _Connection:
                 self.close()
                 raise ConnectionError(f"the server refused the connection's set-up: {e}") from None
 
-    def send(self, buffers: Sequence) -> None:
-        views = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
-        at = 0                                 # the first view not wholly sent
-        while at < len(views):
-            sent = self.sock.sendmsg(views[at:at + IOV_MAX])
-            while sent and at < len(views):
-                if sent >= len(views[at]):
-                    sent -= len(views[at])
+    def send(self, buffers: list, sizes: list[int]) -> None:
+        """Send the buffers (``sizes``: their byte counts), as few ``sendmsg`` calls as the
+        kernel allows; a buffer is sliced only where a call stopped inside it."""
+        at = 0                                 # the first buffer not wholly sent
+        while at < len(buffers):
+            sent = self.sock.sendmsg(buffers[at:at + IOV_MAX])
+            while sent:
+                if sent >= sizes[at]:
+                    sent -= sizes[at]
                     at += 1
                 else:
-                    views[at], sent = views[at][sent:], 0
+                    buffers[at] = memoryview(buffers[at]).cast("B")[sent:]
+                    sizes[at] -= sent
+                    sent = 0
 
     def _fill(self) -> None:
         """Read more into the buffer, keeping what is not consumed yet at its front."""
@@ -142,12 +153,35 @@ class _Connection:
             self.sock.close()
 
 
-def _command(args: Sequence) -> list:
-    """RESP framing of one command; the arguments themselves are not copied."""
-    parts = [f"*{len(args)}\r\n".encode()]
+def _parts(value: Buffers) -> tuple:
+    return value if isinstance(value, tuple) else (value,)
+
+
+def _command(args: Sequence[Buffers]) -> tuple[list, list[int]]:
+    """RESP framing of one command as few buffers, and their sizes: ``bytes`` arguments are
+    joined with the framing, any other buffer (a slot's payload) is sent as it is, never
+    copied. An argument given as a tuple of buffers is one value made of them."""
+    buffers, sizes, joined = [], [], [b"*%d\r\n" % len(args)]
     for arg in args:
-        parts += [f"${memoryview(arg).nbytes}\r\n".encode(), arg, b"\r\n"]
-    return parts
+        pieces = _parts(arg)
+        lengths = [len(p) if type(p) is bytes else memoryview(p).nbytes for p in pieces]
+        joined.append(b"$%d\r\n" % sum(lengths))
+        for piece, n in zip(pieces, lengths, strict=True):
+            if type(piece) is bytes:
+                joined.append(piece)
+            elif n:
+                text = b"".join(joined)
+                buffers += [text, piece]
+                sizes += [len(text), n]
+                joined = []
+        joined.append(b"\r\n")
+    text = b"".join(joined)
+    return buffers + [text], sizes + [len(text)]
+
+
+def _plain(args: Sequence[bytes]) -> bytes:
+    """A command of small arguments as one bytes object."""
+    return b"".join(_command(args)[0])
 
 
 class RawClient:
@@ -191,13 +225,18 @@ class RawClient:
         conn.close()
         self._local.conn = None
 
-    def get_into(self, names: Sequence[str], sinks: Sequence[memoryview | None]) -> list:
-        """GET each name; a value whose length is its sink's goes into the sink (True), any
-        other value comes back as bytes, a missing key as None."""
+    def get_into(self, names: Sequence[str], sinks: Sequence[memoryview | tuple | None],
+                 landed: Callable[[int], None] | None = None) -> list:
+        """GET each name; a value whose length is its sink's goes into the sink (True; a tuple
+        of views is filled in order) and ``landed(i)`` runs at once, any other value comes
+        back as bytes, a missing key as None."""
+        sizes = [None if s is None else sum(len(p) for p in _parts(s)) for s in sinks]
+
         def run(conn: _Connection) -> list:
-            conn.send([b"".join(_command([b"GET", name.encode()])) for name in names])
+            request = b"".join([_plain([b"GET", name.encode()]) for name in names])
+            conn.send([request], [len(request)])
             out, error = [], None
-            for sink in sinks:                  # every reply is read: the stream stays in step
+            for index, sink in enumerate(sinks):      # every reply is read: the stream stays in step
                 head = conn.line()
                 if head[:1] == b"-":
                     error = error or RespError(head[1:].decode(errors="replace"))
@@ -207,29 +246,40 @@ class RawClient:
                 if n < 0:
                     out.append(None)
                     continue
-                if sink is not None and n == len(sink):
-                    conn.read_into(sink)
+                if n == sizes[index]:
+                    for part in _parts(sink):
+                        conn.read_into(part)
+                    conn.skip_crlf()                               # the value's CRLF
                     out.append(True)
-                else:
-                    data = bytearray(n)
-                    conn.read_into(memoryview(data))
-                    out.append(bytes(data))
-                conn.skip_crlf()                                   # the value's CRLF
+                    if landed is not None:
+                        landed(index)
+                    continue
+                data = bytearray(n)
+                conn.read_into(memoryview(data))
+                conn.skip_crlf()
+                out.append(bytes(data))
             if error is not None:
                 raise error
             return out
         return self._run(run)
 
-    def set_many(self, items: Sequence[tuple[str, object]], px: int | None = None) -> None:
-        """SET every (name, value) in one pipeline; raises ``RespError`` with the first error
-        reply after reading them all (the connection stays in step)."""
+    def set_many(self, items: Sequence[tuple[str, Buffers | Callable[[], Buffers]]], px: int | None = None) -> None:
+        """SET every (name, value) in one pipeline, sent about ``SEND_BYTES`` at a time; a value
+        given as a function is made just before it is sent. Raises ``RespError`` with the first
+        error reply after reading them all (the connection stays in step)."""
         tail = [b"PX", str(px).encode()] if px else []
 
         def run(conn: _Connection) -> None:
-            buffers = []
+            buffers, sizes, size = [], [], 0
             for name, value in items:
-                buffers += _command([b"SET", name.encode(), value, *tail])
-            conn.send(buffers)
+                command, lengths = _command([b"SET", name.encode(), value() if callable(value) else value, *tail])
+                buffers += command
+                sizes += lengths
+                size += sum(lengths)
+                if size >= SEND_BYTES:
+                    conn.send(buffers, sizes)
+                    buffers, sizes, size = [], [], 0
+            conn.send(buffers, sizes)
             error = None
             for _ in items:
                 try:

@@ -304,9 +304,13 @@ def _dd(directory: Path, block: int, count: int) -> float | None:
 def bench_remote(url: str, page_bytes: int = MiB, pages: int = 64, repeats: int = 3) -> dict:
     """The tier's slot path (pipelines straight between the RAM slots and the socket) and its
     redis-py path vs naive per-key SET/GET vs redis-benchmark with the same value size, one
-    client and the slot path's pipeline depth. redis-benchmark runs in each repeat, right
-    after the tier's timings (this loopback's speed drifts between runs by more than the
-    ratios asked of the tier), and the ratios are the medians of each repeat's own."""
+    client, the slot path's pipeline depth, as many keys and as many requests (the tier's
+    timing covers as many passes over its pages as redis-benchmark makes over its keys: a
+    single pass paid the server's re-allocation of every value after the other clients'
+    writes, which redis-benchmark spreads over its whole run). redis-benchmark runs in each
+    repeat, right after the tier's timings (this loopback's speed drifts between runs by
+    more than the ratios asked of the tier), and the ratios are the medians of each
+    repeat's own."""
     import redis
     from redis.utils import HIREDIS_AVAILABLE
 
@@ -325,15 +329,18 @@ def bench_remote(url: str, page_bytes: int = MiB, pages: int = 64, repeats: int 
         tier.write_many([(0, k, data[i]) for i, k in enumerate(keys)])
         tier.read_many([(0, k, outs[i]) for i, k in enumerate(keys)])
     depth = max(1, RAW_PIPELINE_BYTES // page_bytes)
+    requests = redis_benchmark_requests(page_bytes, data.nbytes)
+    passes = -(-requests // pages)
     paired: list[tuple[dict, dict]] = []    # each repeat's redis-benchmark figures and the tier's
     for _ in range(repeats):
         for name, tier in tiers.items():
             t = time.perf_counter()
-            tier.write_many([(0, k, data[i]) for i, k in enumerate(keys)])
-            runs[f"{name}set"].append(gbps(data.nbytes, time.perf_counter() - t))
+            for _ in range(passes):
+                tier.write_many([(0, k, data[i]) for i, k in enumerate(keys)])
+            runs[f"{name}set"].append(gbps(passes * data.nbytes, time.perf_counter() - t))
             t = time.perf_counter()
-            ok = tier.read_many([(0, k, outs[i]) for i, k in enumerate(keys)])
-            runs[f"{name}get"].append(gbps(data.nbytes, time.perf_counter() - t))
+            ok = [all(tier.read_many([(0, k, outs[i]) for i, k in enumerate(keys)])) for _ in range(passes)]
+            runs[f"{name}get"].append(gbps(passes * data.nbytes, time.perf_counter() - t))
             assert all(ok)
         t = time.perf_counter()
         for i in range(pages):
@@ -343,7 +350,7 @@ def bench_remote(url: str, page_bytes: int = MiB, pages: int = 64, repeats: int 
         for i in range(pages):
             client.get(f"hybridkv-bench-naive:{i}")
         runs["naive_get"].append(gbps(data.nbytes, time.perf_counter() - t))
-        ceiling = _redis_benchmark(url, page_bytes, depth, pages, 2 * data.nbytes)
+        ceiling = _redis_benchmark(url, page_bytes, depth, pages, requests)
         if ceiling is not None:
             paired.append((ceiling, {op: runs[op][-1] for op in ("set", "get")}))
     for name in client.scan_iter(match="hybridkv-bench*"):
@@ -359,22 +366,26 @@ def bench_remote(url: str, page_bytes: int = MiB, pages: int = 64, repeats: int 
                    "ratios": {op: statistics.median(tier[op] / c[f"{op}_gbps"] for c, tier in paired)
                               for op in by_op},
                    "spread": {op: [min(v), max(v)] for op, v in by_op.items()}}
-    return {"page_bytes": page_bytes, "hiredis": HIREDIS_AVAILABLE, "pipeline": depth,
+    return {"page_bytes": page_bytes, "pages": pages, "hiredis": HIREDIS_AVAILABLE, "pipeline": depth, "passes": passes,
             **{f"{k}_gbps": v for k, v in med.items()},
             "redis_benchmark": ceiling,
             "spread": {k: [min(v), max(v)] for k, v in runs.items()}}
 
 
-def _redis_benchmark(url: str, value_bytes: int, pipeline: int, keys: int, nbytes: int) -> dict | None:
+def redis_benchmark_requests(value_bytes: int, nbytes: int) -> int:
+    """Requests per command: twice ``nbytes`` of values but at least 1,000."""
+    return max(1000, 2 * nbytes // value_bytes)
+
+
+def _redis_benchmark(url: str, value_bytes: int, pipeline: int, keys: int, requests: int) -> dict | None:
     """The server's own client with the same value size, one connection, the same pipeline
-    depth and as many distinct keys (one hot key would be served from the CPU's caches),
-    ``nbytes`` per command but at least 1,000 requests: the wire ceiling for what the tier does."""
+    depth and as many distinct keys (one hot key would be served from the CPU's caches):
+    the wire ceiling for what the tier does."""
     from urllib.parse import urlsplit
 
     if shutil.which("redis-benchmark") is None:
         return None
     parts = urlsplit(url)
-    requests = max(1000, nbytes // value_bytes)
     proc = subprocess.run(
         ["redis-benchmark", "-h", parts.hostname or "127.0.0.1", "-p", str(parts.port or 6379),
          "-t", "set,get", "-n", str(requests), "-d", str(value_bytes), "-c", "1", "-P", str(pipeline),
