@@ -1,6 +1,7 @@
 """The Redis tier against a real redis-server on loopback."""
 
 import json
+import socket
 import time
 
 import numpy as np
@@ -12,7 +13,7 @@ from hybridkv.config import CacheConfig
 from hybridkv.core.layout import layout_from_dict
 from hybridkv.engine.engine import Engine
 from hybridkv.tiers.remote import RemoteTier, masked
-from hybridkv.tiers.resp import RawClient
+from hybridkv.tiers.resp import SEND_BYTES, RawClient
 
 from helpers.cli import assert_one_line_error, cli, run_cli
 from helpers.redis_server import RedisServer, free_port
@@ -65,36 +66,77 @@ def test_a_page_of_one_chunk_is_one_value_holding_header_and_payload(redis_url):
     tier.close()
 
 
-def test_slot_client_hands_each_value_over_as_it_lands_and_makes_values_as_it_sends(redis_url):
+def test_slot_client_hands_each_value_over_as_it_lands_and_makes_values_as_it_sends(redis_url, monkeypatch):
     """What lets the tier hash a page while it is in the CPU's caches and while the server
-    works on the next one: ``landed(i)`` runs once value i is in its sink, before the next
-    reply is read; a SET's value given as a function is made when its turn to be sent comes."""
+    works on the page before it: ``landed(i)`` runs once value i is in its sink, before the
+    next reply is read; a SET's value given as a function is made when its turn to be sent
+    comes, after the values before it went out."""
+    events = []
+    real_sendmsg = socket.socket.sendmsg
+
+    def recorded(sock, buffers, *args):
+        events.append("send")
+        return real_sendmsg(sock, buffers, *args)
+
+    monkeypatch.setattr(socket.socket, "sendmsg", recorded)
     client = RawClient(redis_url, 5.0)
-    made = []
+    size = SEND_BYTES + 1000                   # each value fills a send of its own
 
     def value(i):
         def make():
-            made.append(i)
-            return (bytes([i]) * 8, np.full(100_000, i, np.uint8))     # one value of two buffers
+            events.append(f"make {i}")
+            return (bytes([i + 1]) * 8, np.full(size, i + 1, np.uint8))     # one value of two buffers
         return make
 
     client.set_many([(f"resp-test:{i}", value(i)) for i in range(3)])
-    assert made == [0, 1, 2]
+    makes = [events.index(f"make {i}") for i in range(3)]
+    assert all("send" in events[a:b] for a, b in zip(makes, makes[1:], strict=False))   # value 0 out before value 1 is made
     heads = [bytearray(8) for _ in range(3)]
-    bodies = [np.zeros(100_000, np.uint8) for _ in range(3)]
+    bodies = [np.zeros(size, np.uint8) for _ in range(3)]
     seen = []
 
     def landed(i):
-        seen.append((i, heads[i] == bytes([i]) * 8, bool((bodies[i] == i).all()),
-                     [bool(b.any()) for b in bodies]))
+        seen.append((i, bytes(heads[i]) == bytes([i + 1]) * 8, [bool(b.any()) for b in bodies]))
 
     sinks = [(memoryview(h), memoryview(b)) for h, b in zip(heads, bodies, strict=True)]
     got = client.get_into([f"resp-test:{i}" for i in range(3)] + ["resp-test:none"], sinks + [None], landed)
     assert got == [True, True, True, None]
-    # value 1 (all ones) landed while value 2's sink was still empty
-    assert seen[1] == (1, True, True, [False, True, False]) and [s[0] for s in seen] == [0, 1, 2]
-    assert all(s[1] and s[2] for s in seen)
+    assert seen == [(0, True, [True, False, False]), (1, True, [True, True, False]), (2, True, [True, True, True])]
+    assert all((bodies[i] == i + 1).all() for i in range(3))
     client.close()
+
+
+def test_slot_client_finishes_sends_the_kernel_takes_a_few_bytes_at_a_time(redis_url, monkeypatch):
+    real_sendmsg = socket.socket.sendmsg
+
+    def short(sock, buffers, *args):           # a send that stops inside its first buffer
+        first = next(memoryview(b).cast("B") for b in buffers if memoryview(b).nbytes)
+        return real_sendmsg(sock, [first[:7]], *args)
+
+    monkeypatch.setattr(socket.socket, "sendmsg", short)
+    tier = RemoteTier(redis_url, LAYOUT, chunk_bytes=5000)
+    assert tier.write_many([(1, key(i), page(1, i)) for i in range(2)])
+    outs = [np.empty(LAYOUT.group(1).page_bytes, np.uint8) for _ in range(2)]
+    assert tier.read_many([(1, key(i), out) for i, out in enumerate(outs)]) == [True, True]
+    assert all(np.array_equal(outs[i], page(1, i)) for i in range(2))
+    tier.close()
+
+
+@pytest.mark.parametrize("raw", [True, False], ids=["slot-path", "redis-py"])
+@pytest.mark.parametrize("where", ["header", "first-chunk-payload", "last-chunk"])
+def test_a_damaged_chunk_is_a_miss_and_the_whole_page_is_deleted(redis_url, raw, where):
+    tier = RemoteTier(redis_url, LAYOUT, chunk_bytes=5000, raw=raw)
+    assert tier.write(1, key(8), page(1, 8))
+    names = tier.page_keys(1, key(8))
+    client = redis.Redis.from_url(redis_url)
+    name, at = {"header": (names[0], 20), "first-chunk-payload": (names[0], 100), "last-chunk": (names[-1], 3)}[where]
+    blob = bytearray(client.get(name))
+    blob[at] ^= 0xFF
+    client.set(name, bytes(blob))
+    out = np.empty(LAYOUT.group(1).page_bytes, np.uint8)
+    assert tier.read(1, key(8), out) is False
+    assert tier.stats["corrupt"] == 1 and client.exists(*names) == 0
+    tier.close()
 
 
 def test_large_pages_are_chunked_within_one_slot(redis_url):

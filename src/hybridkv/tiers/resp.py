@@ -206,7 +206,9 @@ class RawClient:
 
     def _run(self, fn):
         """``fn(connection)``; a connection that had been idle and broke (the server restarted
-        meanwhile) is replaced once; GETs and SETs are safe to repeat."""
+        meanwhile) is replaced once; GETs and SETs are safe to repeat. Any other exception
+        (one raised by a caller's callback mid-pipeline) drops the connection too: replies
+        left unread would answer the next pipeline's commands."""
         conn, reused = self._conn()
         try:
             return fn(conn)
@@ -214,10 +216,13 @@ class RawClient:
             self._drop(conn)
             if not reused:
                 raise
+        except BaseException:
+            self._drop(conn)
+            raise
         conn, _ = self._conn()
         try:
             return fn(conn)
-        except (OSError, ValueError):
+        except BaseException:
             self._drop(conn)
             raise
 
