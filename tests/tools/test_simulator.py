@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from hybridkv.connector import Connector
+from hybridkv.core.errors import HybridKVError
 from hybridkv.core.layout import layout_from_dict
 from hybridkv.tools.policy_compare import compare, table
 from hybridkv.tools.simulator import Policy, PrefixTruth, policy, replay, workload_prompts
@@ -145,7 +146,7 @@ def test_compare_runs_every_policy_under_the_unlimited_ceiling(tmp_path):
     c = compare(LAYOUT, prompts, budgets, "multi_turn", reference_tokens=2048)
     out = c.to_json()
     assert set(out["policies"]) == {"dense", "vllm-align", "semantic", "semantic-tail", "periodic-4096",
-                                    "periodic-16384", "marconi", "semantic-aligned"}
+                                    "periodic-16384", "aligned-periodic-16384", "marconi", "semantic-aligned"}
     assert out["recommended"] == "semantic-aligned" and c.wrong_hits() == 0
     for rates in [p["token_hit_rate"] for p in out["policies"].values()] + [out["ceiling_equal_bytes"]]:
         assert len(rates) == 3 and all(0 <= r <= out["ceiling_unlimited"] for r in rates)
@@ -182,5 +183,12 @@ def test_simulate_cli_misuse(tmp_path):
 
 def test_policy_objects_name_what_they_keep():
     assert policy("periodic-2048") == Policy("periodic-2048", retention=2048)
+    both = policy("aligned-periodic-2048")          # the default's states plus one every 2048
+    assert both == Policy("aligned-periodic-2048", retention=2048, tail=1, align=None)
+    keeper = both.keeper(256)
+    assert keeper.keeps(2048, 5000) and keeper.keeps(4608, 5000) and not keeper.keeps(3072, 5000)
+    for bad in ("aligned-periodic-", "aligned-periodic-0", "periodic-x"):
+        with pytest.raises(HybridKVError, match="unknown"):
+            policy(bad)
     assert not policy("vllm-align").keeper(256).keeps(256, 2000, junction=256)
     assert policy("semantic").keeper(256).keeps(256, 2000, junction=256)

@@ -208,7 +208,7 @@ attention reached deeper than any state); `semantic-tail` also keeps the state o
 the replay boundary; `semantic-aligned` (hybridkv's default) is `semantic-tail` until it has seen
 where prompts diverge, then keeps each prompt's state at the deepest multiple of the chunk they
 diverge at (without tail states when that chunk is longer than a block); `periodic-N` adds one
-every N tokens; `marconi` is semantic admission with
+every N tokens to `semantic`, `aligned-periodic-N` to `semantic-aligned`; `marconi` is semantic admission with
 FLOP-aware eviction (recency against recompute saved per byte, its weight tuned on the first
 15% of the trace). The attention-only ceiling gives every byte to KV pages and has a state
 everywhere for free: no state policy can beat it at that budget. Wrong hits are hits deeper

@@ -432,7 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ram-bytes", default="32GiB,128GiB,512GiB", help="RAM budget, or a comma list to sweep")
     p.add_argument("--reference-tokens", type=_positive_int,
                    help="context length the pools are planned for (default: the trace's mean prompt)")
-    p.add_argument("--policy", help="a named policy: dense, vllm-align, semantic, semantic-tail, semantic-aligned (hybridkv's default), periodic-N, marconi")
+    p.add_argument("--policy", help="a named policy: dense, vllm-align, semantic, semantic-tail, semantic-aligned (hybridkv's default), periodic-N, aligned-periodic-N, marconi")
     p.add_argument("--retention", default="0", help="without --policy: dense, 0 (semantic) or an interval")
     p.add_argument("--eviction", default="lru", choices=["lru", "arc"], help="without --policy")
     p.add_argument("--compare", action="store_true", help="every policy and the ceilings in one table")

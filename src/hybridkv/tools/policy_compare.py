@@ -21,8 +21,8 @@ from hybridkv.core.layout import Layout
 from hybridkv.core.planner import plan_pools
 from hybridkv.tools.simulator import RECOMMENDED, Policy, SimResult, policy, replay
 
-DEFAULT_POLICIES = ("dense", "vllm-align", "semantic", "semantic-tail", "periodic-4096", "periodic-16384", "marconi",
-                    RECOMMENDED)
+DEFAULT_POLICIES = ("dense", "vllm-align", "semantic", "semantic-tail", "periodic-4096", "periodic-16384",
+                    "aligned-periodic-16384", "marconi", RECOMMENDED)
 MARCONI_ALPHAS = (0.0, 0.5, 1.0, 2.0, 4.0)
 TUNING_SHARE = 0.15
 

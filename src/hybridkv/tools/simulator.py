@@ -75,12 +75,13 @@ class Policy:
 
 
 RECOMMENDED = "semantic-aligned"
-POLICY_NAMES = ("dense", "vllm-align", "semantic", "semantic-tail", "semantic-aligned", "periodic-N", "marconi")
+POLICY_NAMES = ("dense", "vllm-align", "semantic", "semantic-tail", "semantic-aligned", "periodic-N",
+                "aligned-periodic-N", "marconi")
 
 
 def policy(name: str) -> Policy:
     """A named policy: dense, vllm-align, semantic, semantic-tail, semantic-aligned,
-    periodic-N (N tokens) or marconi."""
+    periodic-N (N tokens), aligned-periodic-N (semantic-aligned plus a state every N) or marconi."""
     if name == "dense":
         return Policy(name, retention=None)
     if name == "vllm-align":
@@ -93,8 +94,10 @@ def policy(name: str) -> Policy:
         return Policy(name, tail=1, align=None)
     if name == "marconi":     # branch-point states (junctions) and FLOP-aware eviction
         return Policy(name, eviction="flop", alpha=1.0)
-    if name.startswith("periodic-") and name[9:].isdigit() and int(name[9:]) > 0:
-        return Policy(name, retention=int(name[9:]))
+    for prefix, aligned in (("periodic-", False), ("aligned-periodic-", True)):
+        interval = name[len(prefix):]
+        if name.startswith(prefix) and interval.isdigit() and int(interval) > 0:
+            return Policy(name, retention=int(interval), tail=1 if aligned else 0, align=None if aligned else 0)
     raise HybridKVError(f"policy {name!r} is unknown; use {', '.join(POLICY_NAMES)} (e.g. periodic-4096)")
 
 
