@@ -254,15 +254,14 @@ class RawClient:
                 if n == sizes[index]:
                     for part in _parts(sink):
                         conn.read_into(part)
-                    conn.skip_crlf()                               # the value's CRLF
-                    out.append(True)
-                    if landed is not None:
-                        landed(index)
-                    continue
-                data = bytearray(n)
-                conn.read_into(memoryview(data))
-                conn.skip_crlf()
-                out.append(bytes(data))
+                    value = True
+                else:
+                    value = bytearray(n)
+                    conn.read_into(memoryview(value))
+                conn.skip_crlf()                                   # the value's CRLF
+                out.append(value if value is True else bytes(value))
+                if value is True and landed is not None:
+                    landed(index)
             if error is not None:
                 raise error
             return out

@@ -325,21 +325,23 @@ def bench_remote(url: str, page_bytes: int = MiB, pages: int = 64, repeats: int 
     outs = [np.empty(page_bytes, np.uint8) for _ in range(pages)]
     runs = {f"{name}{op}": [] for name in tiers for op in ("set", "get")}
     runs.update({"naive_set": [], "naive_get": []})
+    writes = [(0, k, data[i]) for i, k in enumerate(keys)]
+    reads = [(0, k, outs[i]) for i, k in enumerate(keys)]
     for tier in tiers.values():       # untimed: the server's first allocation of the values
-        tier.write_many([(0, k, data[i]) for i, k in enumerate(keys)])
-        tier.read_many([(0, k, outs[i]) for i, k in enumerate(keys)])
+        tier.write_many(writes)
+        tier.read_many(reads)
     depth = max(1, RAW_PIPELINE_BYTES // page_bytes)
-    requests = redis_benchmark_requests(page_bytes, data.nbytes)
+    requests = max(1000, 2 * data.nbytes // page_bytes)     # redis-benchmark's, per command
     passes = -(-requests // pages)
     paired: list[tuple[dict, dict]] = []    # each repeat's redis-benchmark figures and the tier's
     for _ in range(repeats):
         for name, tier in tiers.items():
             t = time.perf_counter()
             for _ in range(passes):
-                tier.write_many([(0, k, data[i]) for i, k in enumerate(keys)])
+                tier.write_many(writes)
             runs[f"{name}set"].append(gbps(passes * data.nbytes, time.perf_counter() - t))
             t = time.perf_counter()
-            ok = [all(tier.read_many([(0, k, outs[i]) for i, k in enumerate(keys)])) for _ in range(passes)]
+            ok = [all(tier.read_many(reads)) for _ in range(passes)]
             runs[f"{name}get"].append(gbps(passes * data.nbytes, time.perf_counter() - t))
             assert all(ok)
         t = time.perf_counter()
@@ -372,11 +374,6 @@ def bench_remote(url: str, page_bytes: int = MiB, pages: int = 64, repeats: int 
             **{f"{k}_gbps": v for k, v in med.items()},
             "redis_benchmark": ceiling,
             "spread": {k: [min(v), max(v)] for k, v in runs.items()}}
-
-
-def redis_benchmark_requests(value_bytes: int, nbytes: int) -> int:
-    """Requests per command: twice ``nbytes`` of values but at least 1,000."""
-    return max(1000, 2 * nbytes // value_bytes)
 
 
 def _redis_benchmark(url: str, value_bytes: int, pipeline: int, keys: int, requests: int) -> dict | None:

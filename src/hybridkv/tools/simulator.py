@@ -94,10 +94,10 @@ def policy(name: str) -> Policy:
         return Policy(name, tail=1, align=None)
     if name == "marconi":     # branch-point states (junctions) and FLOP-aware eviction
         return Policy(name, eviction="flop", alpha=1.0)
-    for prefix, aligned in (("periodic-", False), ("aligned-periodic-", True)):
+    for prefix, base in (("periodic-", "semantic"), ("aligned-periodic-", "semantic-aligned")):
         interval = name[len(prefix):]
         if name.startswith(prefix) and interval.isdigit() and int(interval) > 0:
-            return Policy(name, retention=int(interval), tail=1 if aligned else 0, align=None if aligned else 0)
+            return dataclasses.replace(policy(base), name=name, retention=int(interval))
     raise HybridKVError(f"policy {name!r} is unknown; use {', '.join(POLICY_NAMES)} (e.g. periodic-4096)")
 
 
