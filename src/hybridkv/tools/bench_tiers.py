@@ -306,8 +306,8 @@ def bench_remote(url: str, page_bytes: int = MiB, pages: int = 64, repeats: int 
     redis-py path vs naive per-key SET/GET vs redis-benchmark with the same value size, one
     client, the slot path's pipeline depth, as many keys and as many requests (the tier's
     timing covers as many passes over its pages as redis-benchmark makes over its keys: a
-    single pass paid the server's re-allocation of every value after the other clients'
-    writes, which redis-benchmark spreads over its whole run). redis-benchmark runs in each
+    single pass right after the other clients' writes measured slower, a cost redis-benchmark
+    spreads over its whole run). redis-benchmark runs in each
     repeat, right after the tier's timings (this loopback's speed drifts between runs by
     more than the ratios asked of the tier), and the ratios are the medians of each
     repeat's own."""
