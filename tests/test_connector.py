@@ -302,6 +302,29 @@ def test_forget_all_serves_no_page_stored_before_and_frees_idle_ram(tmp_path):
         assert restarted.hit.tokens == 4 * B and restarted.keys[0] == old.keys[0] != new.keys[0]
 
 
+def test_a_request_looked_up_again_reuses_its_keys_and_finds_its_hit_afresh(tmp_path):
+    """An engine asks again for a request it could not schedule: the keys are not made again,
+    but the hit is (pages stored in between count), and a reset in between makes new keys
+    (the old ones would find pages that must no longer be served)."""
+    ids = tokens(2 * B + 1, 21)
+    with TieredCache(LAYOUT, disk_config(tmp_path)) as cache:
+        conn = Connector(cache)
+        first = conn.begin("r", ids)
+        conn.finish(first)
+        other = conn.begin("other", ids)            # the same prompt under another id stores it
+        conn.offer_block(other, 0, {0: page(0, 1)})
+        conn.offer_block(other, 1, {0: page(0, 2)})
+        conn.offer_state(other, 2 * B, {1: page(1, 3)})
+        conn.finish(other)
+        second = conn.begin("r", ids, again=first)
+        assert second.keys is first.keys and second.hit.tokens == 2 * B
+        conn.finish(second)
+        assert conn.begin("r", ids[:-B], again=second).keys == first.keys[:1]     # other tokens: keyed
+        conn.forget_all()
+        third = conn.begin("r", ids, again=second)
+        assert third.keys is not first.keys and third.keys[0] != first.keys[0] and third.hit.tokens == 0
+
+
 def _eager_hit(cache, conn, ids):
     """The hit rule over every key located in every tier: what the lazy lookup must equal."""
     from hybridkv.core.keys import block_hashes

@@ -64,6 +64,7 @@ class RequestState:
     loaded: Load | None = None     # the hit's pages, pinned (or some still promoting)
     where: dict[int, list[str | None]] = field(default_factory=dict)   # tier per (group, block)
     retention: Retention | None = None     # the connector's when the request began (set by begin), for all its stores
+    epoch: bytes = b""         # of the keys (a reset makes a new one)
 
     @property
     def hit_tokens(self) -> int:
@@ -126,21 +127,27 @@ class Connector:
     # -- lookup and load --------------------------------------------------------------------
     def begin(self, request_id: str, tokens: Sequence[int], salt: str | None = None,
               max_stored_tokens: int | None = None, extra: bytes | None = None,
-              local_tokens: int = 0, prefetch: bool = False) -> RequestState:
+              local_tokens: int = 0, prefetch: bool = False, again: RequestState | None = None) -> RequestState:
         """Key the prompt and find its hybrid hit over every tier (one call to compute_hit).
 
         ``extra`` (adapter id, multimodal hashes) enters every key; ``local_tokens`` is the
         prefix the engine's own cache already holds: its token pages count as present and
         are not loaded again. ``prefetch`` is for an engine that loads right after: the
         reads of the prompt's first pages below RAM start while the rest is keyed (at 32K
-        tokens they started ~3.5 ms sooner; see ``_key_and_prefetch``).
+        tokens they started ~3.5 ms sooner; see ``_key_and_prefetch``). ``again`` is this
+        request's state from a lookup of the same tokens, salt and extra (an engine asks
+        again for a request it could not schedule yet): its keys are reused unless the
+        cache was reset since; the hit is found afresh.
         """
         tail = (extra or b"") + self._epoch
         req = RequestState(request_id, len(tokens), [], sources=dict.fromkeys(self.cache.tier_names, 0),
-                           max_stored_tokens=max_stored_tokens, local_blocks=local_tokens // self.B)
+                           max_stored_tokens=max_stored_tokens, local_blocks=local_tokens // self.B,
+                           epoch=self._epoch)
         self.cache.request_started(request_id)
         located = None
-        if prefetch:
+        if again is not None and again.epoch == self._epoch and again.n_tokens == len(tokens):
+            req.keys = again.keys
+        elif prefetch:
             located = self._key_and_prefetch(req, tokens, salt, tail)
         else:
             req.keys = block_hashes(tokens, self.B, salt, tail)

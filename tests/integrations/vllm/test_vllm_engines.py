@@ -171,3 +171,8 @@ def test_the_time_vllms_steps_spent_in_the_connector_is_counted_on_both_halves(r
     took = sum(r["seconds"] for r in a["requests"])
     assert 0 < vllm_stats["engine_s"] < took
     assert 0 < vllm_stats["worker_engine_s"] < took
+    # by hook: the lookup, the step's plan and the copies out are among them, and they add up
+    assert {"get_num_new_matched_tokens", "build_connector_meta"} <= vllm_stats["hook_s"].keys()
+    assert "wait_for_save" in vllm_stats["worker_hook_s"]
+    assert sum(vllm_stats["hook_s"].values()) == pytest.approx(vllm_stats["engine_s"])
+    assert sum(vllm_stats["worker_hook_s"].values()) == pytest.approx(vllm_stats["worker_engine_s"])

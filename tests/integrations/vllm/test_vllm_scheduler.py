@@ -167,11 +167,13 @@ def test_blocks_ram_cannot_take_at_once_are_reserved_one_by_one_from_the_first(t
 def test_worker_hook_time_reaches_the_scheduler_with_a_report_or_alone_once_it_adds_up(tmp_path):
     side = fresh_scheduler(tmp_path)
     worker = WorkerSide(*vllm_objects(block=B))
-    worker.engine_s = ENGINE_S_ALONE / 2             # a decoding step's hooks: nothing copied
+    worker.count_hook("wait_for_save", ENGINE_S_ALONE / 2)     # a decoding step's hooks: nothing copied
     assert worker.take_report() is None and worker.take_counters()["load_bytes"] == 0
-    worker.engine_s = 2 * ENGINE_S_ALONE             # enough to go on its own
+    worker.count_hook("start_load_kv", 1.5 * ENGINE_S_ALONE)   # enough to go on its own
     side.on_report(worker.take_report())
     assert side.stats.worker_engine_s == pytest.approx(2 * ENGINE_S_ALONE)
+    assert side.stats.worker_hook_s == pytest.approx({"wait_for_save": ENGINE_S_ALONE / 2,
+                                                      "start_load_kv": 1.5 * ENGINE_S_ALONE})
     assert worker.take_report() is None              # nothing new since
     assert worker.take_counters()["engine_s"] == pytest.approx(2 * ENGINE_S_ALONE)
     side.close()

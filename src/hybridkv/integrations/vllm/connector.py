@@ -80,19 +80,18 @@ def _log_like_vllm() -> None:
 
 
 def in_engine_loop(hook):
-    """Adds the hook's wall time to its side's ``engine_s``: what hybridkv adds to vLLM's steps
-    (the engine's loop waits for every hook), in the stats file and vLLM's metrics log."""
+    """Counts the hook's wall time on its side (``engine_s``, and by hook): what hybridkv adds
+    to vLLM's steps (the engine's loop waits for every hook), in the stats file and vLLM's
+    metrics log."""
+    name = hook.__name__
+
     @functools.wraps(hook)
     def timed(self, *args, **kwargs):
         start = time.perf_counter()
         try:
             return hook(self, *args, **kwargs)
         finally:
-            seconds = time.perf_counter() - start
-            if self.scheduler is not None:
-                self.scheduler.stats.engine_s += seconds
-            else:
-                self.worker.engine_s += seconds
+            (self.scheduler or self.worker).count_hook(name, time.perf_counter() - start)
     return timed
 
 

@@ -59,6 +59,7 @@ class RankReport:
     store_failures: set[int] = field(default_factory=set)
     mapped: bool = False          # the worker has just mapped every RAM region
     engine_s: float = 0.0         # seconds in the connector's hooks since the last report
+    hook_s: dict[str, float] = field(default_factory=dict)    # engine_s by hook
 
     def __bool__(self) -> bool:
         return bool(self.loaded or self.load_failures or self.stored or self.store_failures or self.mapped

@@ -59,6 +59,7 @@ STATS_INTERVAL_S = 1.0
 @dataclass
 class _Request:
     state: RequestState
+    tokens: list[int]             # vLLM's prompt list, by identity (see _match)
     local_tokens: int
     pinned: bool = False          # the hit's pages are pinned until every worker loaded them
     within_step: bool = False     # loaded in the step that computes the rest of the prompt
@@ -104,6 +105,8 @@ class SchedulerStats:
     stats_write_errors: int = 0
     engine_s: float = 0.0         # in the connector's scheduler hooks, all told
     worker_engine_s: float = 0.0  # in its worker hooks, summed over ranks (as far as reported)
+    hook_s: dict[str, float] = field(default_factory=dict)         # engine_s by hook
+    worker_hook_s: dict[str, float] = field(default_factory=dict)  # worker_engine_s by hook
 
 
 class SchedulerSide:
@@ -153,6 +156,10 @@ class SchedulerSide:
             log.info("hybridkv: vLLM kills the engine at once on a stop (--shutdown-timeout 0): "
                      "pages still being written then are lost; --shutdown-timeout 10 lets them land")
 
+    def count_hook(self, name: str, seconds: float) -> None:
+        self.stats.engine_s += seconds
+        self.stats.hook_s[name] = self.stats.hook_s.get(name, 0.0) + seconds
+
     # -- lookup -----------------------------------------------------------------------------
     def match(self, request, num_computed_tokens: int) -> int:
         """Tokens beyond ``num_computed_tokens`` this cache restores (pinned, or being read
@@ -167,14 +174,18 @@ class SchedulerSide:
 
     def _match(self, request, num_computed_tokens: int) -> int:
         rid = request.request_id
-        if rid in self._requests:         # asked again (not allocated, or preempted): start over
+        before = self._requests.get(rid)
+        if before is not None:            # asked again (not allocated, or preempted): start over
             self.finish(rid, final=False)
         tokens = request.prompt_token_ids
         if not tokens:
             return 0
         salt, extra = request_identity(request)
-        state = self.connector.begin(rid, tokens, salt, extra=extra, local_tokens=num_computed_tokens)
-        ctx = self._requests[rid] = _Request(state, num_computed_tokens)
+        # vLLM asks again each step for a request it could not schedule (about one a step
+        # under load): its prompt is the same list, so its keys are too
+        again = before.state if before is not None and before.tokens is tokens else None
+        state = self.connector.begin(rid, tokens, salt, extra=extra, local_tokens=num_computed_tokens, again=again)
+        ctx = self._requests[rid] = _Request(state, tokens, num_computed_tokens)
         self._ask_for_state(request, state)
         if state.hit.tokens <= num_computed_tokens or rid in self._failed_loads:
             return 0                      # (a failed load would only fail again: vLLM recomputes)
@@ -296,9 +307,12 @@ class SchedulerSide:
         self._loads, self._promotion_failed, self._abandoned = {}, set(), set()
         if self._within:
             self._plan_loads_within_step(scheduled, block_ids_of, plan)
+        B = self.B
         for rid, (start, end) in scheduled.items():
             ctx = self._requests.get(rid)
-            if ctx is not None and end > start and self.connector.token_groups:
+            # block ids only where the step completes a prompt block (not for decode steps:
+            # asking vLLM for them was half of this hook's time on a miss)
+            if ctx is not None and start // B < min(end // B, len(ctx.state.keys)) and self.connector.token_groups:
                 self._plan_block_stores(ctx, start, end, block_ids_of(rid), plan)
         for rid, states in handoffs.items():
             ctx = self._requests.get(rid)
@@ -408,6 +422,8 @@ class SchedulerSide:
         freed while a rank still writes it. A hit's pages stay pinned until every rank loaded."""
         for rank, part in (report.ranks.items() if report is not None else ()):
             self.stats.worker_engine_s += part.engine_s
+            for name, seconds in part.hook_s.items():
+                self.stats.worker_hook_s[name] = self.stats.worker_hook_s.get(name, 0.0) + seconds
             if part.mapped:
                 self._ranks_mapped.add(rank)
             for rid in part.stored | part.store_failures:
