@@ -3,7 +3,13 @@ two `vllm serve` starts are too slow for the test run)."""
 
 import pytest
 
-from hybridkv.tools.bench_vllm_load import _step_figures, reuse_prompts, steps_table, table, unique_prompts
+from hybridkv.tools.bench_vllm_load import (
+    reuse_prompts,
+    step_figures,
+    steps_table,
+    table,
+    unique_prompts,
+)
 
 
 def test_unique_prompts_share_no_block_and_reuse_prompts_do():
@@ -37,12 +43,12 @@ def _engine_run(scheduler_hooks: dict, worker_hooks: dict, stored: int) -> dict:
 def test_step_figures_add_up_each_hook_over_runs_and_sides_and_the_table_splits_them():
     runs = [_engine_run({"get_num_new_matched_tokens": 0.01, "build_connector_meta": 0.004}, {"wait_for_save": 0.02}, 10**8),
             _engine_run({"get_num_new_matched_tokens": 0.03}, {"wait_for_save": 0.02, "start_load_kv": 0.002}, 10**8)]
-    f = _step_figures(runs)
+    f = step_figures(runs)
     assert f["hook_s"] == pytest.approx({"wait_for_save": 0.04, "get_num_new_matched_tokens": 0.04,
                                          "build_connector_meta": 0.004, "start_load_kv": 0.002})
     assert f["prompts"] == 8 and f["every_step_s"] == pytest.approx(2.0) and f["stored_bytes"] == 2 * 10**8
     assert f["hooks_share"] == pytest.approx(0.086 / 2.0) and f["batch_s"] == pytest.approx(0.5)
-    text = steps_table({"vllm": _step_figures([{k: v for k, v in run.items() if k != "stats"} for run in runs]),
+    text = steps_table({"vllm": step_figures([{k: v for k, v in run.items() if k != "stats"} for run in runs]),
                         "hybridkv_ram": f})
     assert "| `get_num_new_matched_tokens` | scheduler | 5000 µs | 2.00% |" in text
     assert "| `wait_for_save` | worker | 5000 µs | 2.00% |" in text

@@ -196,7 +196,7 @@ HOOK_SIDES = {hook: "worker" for hook in ("start_load_kv", "wait_for_save", "get
                                           "build_connector_worker_meta")}
 
 
-def _step_figures(runs: list[dict]) -> dict:
+def step_figures(runs: list[dict]) -> dict:
     """One engine's runs, their timed batches (all but each run's warm-up): engine time per
     batch, step times, and the share of every step hybridkv's hooks took (its stats cover
     whole runs)."""
@@ -246,7 +246,7 @@ def step_costs(family: str, work: Path, model: Path) -> dict:
                 Path(connector["store"]).mkdir()
             runs[name].append(run_engine(work, f"steps-{name}-{round_}", model, family, connector,
                                          requests, time_steps=True))
-    return {name: _step_figures(r) for name, r in runs.items()}
+    return {name: step_figures(r) for name, r in runs.items()}
 
 
 def table(res: dict) -> str:
