@@ -64,7 +64,7 @@ class RequestState:
     loaded: Load | None = None     # the hit's pages, pinned (or some still promoting)
     where: dict[int, list[str | None]] = field(default_factory=dict)   # tier per (group, block)
     retention: Retention | None = None     # the connector's when the request began (set by begin), for all its stores
-    epoch: bytes = b""         # of the keys (a reset makes a new one)
+    keyed_with: tuple = (None, b"")    # the salt and key tail (extra, epoch) the keys were made with
 
     @property
     def hit_tokens(self) -> int:
@@ -135,18 +135,18 @@ class Connector:
         are not loaded again. ``prefetch`` is for an engine that loads right after: the
         reads of the prompt's first pages below RAM start while the rest is keyed (at 32K
         tokens they started ~3.5 ms sooner; see ``_key_and_prefetch``). ``again`` is this
-        request's state from a lookup of the same tokens, salt and extra (an engine asks
-        again for a request it could not schedule yet): its keys are reused unless the
-        cache was reset since; the hit is found afresh.
+        request's state from a lookup of the same tokens (an engine asks again for a request
+        it could not schedule yet): its keys are reused where they were made with the same
+        salt and extra and no reset came since; the hit is found afresh.
         """
         tail = (extra or b"") + self._epoch
         req = RequestState(request_id, len(tokens), [], sources=dict.fromkeys(self.cache.tier_names, 0),
                            max_stored_tokens=max_stored_tokens, local_blocks=local_tokens // self.B,
-                           epoch=self._epoch)
+                           keyed_with=(salt, tail))
         self.cache.request_started(request_id)
         located = None
-        if again is not None and again.epoch == self._epoch and again.n_tokens == len(tokens):
-            req.keys = again.keys
+        if again is not None and again.keyed_with == (salt, tail) and again.n_tokens == len(tokens):
+            req.keys = again.keys         # (nothing to prefetch ahead of keying then)
         elif prefetch:
             located = self._key_and_prefetch(req, tokens, salt, tail)
         else:

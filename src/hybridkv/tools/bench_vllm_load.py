@@ -192,8 +192,6 @@ def serve_runs(family: str, model: Path, clients: int, requests: int, work: Path
 
 
 STEP_ROUNDS, STEP_BATCHES, STEP_BATCH = 2, 3, 64
-HOOK_SIDES = {hook: "worker" for hook in ("start_load_kv", "wait_for_save", "get_transfer_results",
-                                          "build_connector_worker_meta")}
 
 
 def step_figures(runs: list[dict]) -> dict:
@@ -213,14 +211,14 @@ def step_figures(runs: list[dict]) -> dict:
         every_step = sum(s for run in runs for r in run["requests"] for s in r["step_s"])
         scheduler = sum(run["stats"]["vllm"]["engine_s"] for run in runs)
         worker = sum(run["stats"]["vllm"]["worker_engine_s"] for run in runs)
-        by_hook: dict[str, float] = {}
+        by_hook: dict[str, dict[str, float]] = {"scheduler": {}, "worker": {}}
         for run in runs:
-            for side in ("hook_s", "worker_hook_s"):
-                for hook, seconds in run["stats"]["vllm"][side].items():
-                    by_hook[hook] = by_hook.get(hook, 0.0) + seconds
+            for side, key in (("scheduler", "hook_s"), ("worker", "worker_hook_s")):
+                for hook, seconds in run["stats"]["vllm"][key].items():
+                    by_hook[side][hook] = by_hook[side].get(hook, 0.0) + seconds
         figures |= {"scheduler_hooks_s": scheduler, "worker_hooks_s": worker,
                     "hooks_share": (scheduler + worker) / every_step, "every_step_s": every_step,
-                    "hook_s": dict(sorted(by_hook.items(), key=lambda kv: -kv[1])),
+                    "hook_s": {side: dict(sorted(h.items(), key=lambda kv: -kv[1])) for side, h in by_hook.items()},
                     "prompts": sum(len(r["batch"]) for run in runs for r in run["requests"]),
                     "stored_bytes": sum(run["stats"]["cache"]["tiers"]["ram"]["bytes_in"] for run in runs)}
     return figures
@@ -284,16 +282,18 @@ def steps_table(steps: dict) -> str:
         lines += ["", "Where the hooks' time went (their own count, all runs; per prompt and as a share of every step's time):",
                   "", "| hook | side | " + " | ".join(f"{n}: per prompt | {n}: of step time" for n in engines) + " |",
                   "|---|---|" + "---:|---:|" * len(engines)]
-        hooks = list(dict.fromkeys(h for n in engines for h in steps[n]["hook_s"]))
-        for hook in hooks:
+        hooks = [(side, hook) for side in ("scheduler", "worker") for hook in
+                 sorted({h for n in engines for h in steps[n]["hook_s"][side]},
+                        key=lambda h: -max(steps[n]["hook_s"][side].get(h, 0.0) for n in engines))]
+        for side, hook in hooks:
             cells = []
             for n in engines:
-                f, seconds = steps[n], steps[n]["hook_s"].get(hook, 0.0)
+                f, seconds = steps[n], steps[n]["hook_s"][side].get(hook, 0.0)
                 cells.append(f"{seconds / f['prompts'] * 1e6:.0f} µs | {seconds / f['every_step_s']:.2%}")
-            lines.append(f"| `{hook}` | {HOOK_SIDES.get(hook, 'scheduler')} | " + " | ".join(cells) + " |")
+            lines.append(f"| `{hook}` | {side} | " + " | ".join(cells) + " |")
         for n in engines:
             f = steps[n]
-            save = f["hook_s"].get("wait_for_save", 0.0)
+            save = f["hook_s"]["worker"].get("wait_for_save", 0.0)
             if save:
                 lines.append(f"\n{n}: the copies out of vLLM's blocks (`wait_for_save`) moved {f['stored_bytes'] / 2**20:,.0f} MiB "
                              f"into RAM slots at {f['stored_bytes'] / save / 1e9:.1f} GB/s, hook overhead included.")

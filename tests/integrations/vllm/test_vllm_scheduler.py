@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from hybridkv import connector as connector_module
 from hybridkv.core.errors import HybridKVError
 from hybridkv.integrations.vllm import scheduler as scheduler_module
 from hybridkv.integrations.vllm.messages import ENGINE_S_ALONE, RankReport, WorkerReport
@@ -161,6 +162,42 @@ def test_blocks_ram_cannot_take_at_once_are_reserved_one_by_one_from_the_first(t
     plan = side.plan_step({"w": (0, 3 * B)}, lambda rid: BLOCK_IDS, {})
     assert sorted(c.blocks for cs in plan.stores.values() for c in cs) == [[4], [5]]   # 2 slots were left
     assert side.stats.stores_refused == 1            # the third block, refused
+    side.close()
+
+
+def test_a_request_asked_about_again_is_not_keyed_again_unless_the_cache_was_reset(tmp_path, monkeypatch):
+    """vLLM asks again each step for a request it could not schedule: the same prompt list
+    keeps its keys; an equal list of another request object, or a reset, is keyed afresh."""
+    side = fresh_scheduler(tmp_path)
+    keyed = []
+    real = connector_module.block_hashes
+    monkeypatch.setattr(connector_module, "block_hashes", lambda *a, **kw: keyed.append(1) or real(*a, **kw))
+    asked = request()
+    side.match(asked, 0)
+    side.match(asked, 0)                             # not scheduled: asked again
+    assert len(keyed) == 1
+    side.match(SimpleNamespace(**{**vars(asked), "prompt_token_ids": list(PROMPT)}), 0)
+    assert len(keyed) == 2
+    side.reset()
+    side.match(asked, 0)
+    assert len(keyed) == 3
+    side.close()
+
+
+def test_a_step_asks_vllm_for_block_ids_only_where_it_completes_a_prompt_block(tmp_path):
+    side = fresh_scheduler(tmp_path)
+    side.match(request(), 0)
+    asked = []
+
+    def block_ids_of(rid):
+        asked.append(rid)
+        return BLOCK_IDS
+
+    side.plan_step({"r": (0, B - 1)}, block_ids_of, {})             # no block completed yet
+    side.plan_step({"r": (3 * B + 1, 3 * B + 2)}, block_ids_of, {})   # decoding, past the prompt
+    assert asked == []
+    plan = side.plan_step({"r": (B - 1, 3 * B + 1)}, block_ids_of, {})
+    assert asked == ["r"] and sorted(b for cs in plan.stores.values() for c in cs for b in c.blocks) == [4, 5, 6]
     side.close()
 
 

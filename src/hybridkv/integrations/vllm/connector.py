@@ -91,7 +91,8 @@ def in_engine_loop(hook):
         try:
             return hook(self, *args, **kwargs)
         finally:
-            (self.scheduler or self.worker).count_hook(name, time.perf_counter() - start)
+            side = self.scheduler if self.scheduler is not None else self.worker
+            side.count_hook(name, time.perf_counter() - start)
     return timed
 
 
