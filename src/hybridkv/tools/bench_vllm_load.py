@@ -36,6 +36,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections import Counter
 from pathlib import Path
 
 from hybridkv.tools.bench_common import machine
@@ -211,14 +212,13 @@ def step_figures(runs: list[dict]) -> dict:
         every_step = sum(s for run in runs for r in run["requests"] for s in r["step_s"])
         scheduler = sum(run["stats"]["vllm"]["engine_s"] for run in runs)
         worker = sum(run["stats"]["vllm"]["worker_engine_s"] for run in runs)
-        by_hook: dict[str, dict[str, float]] = {"scheduler": {}, "worker": {}}
+        by_hook = {"scheduler": Counter(), "worker": Counter()}
         for run in runs:
-            for side, key in (("scheduler", "hook_s"), ("worker", "worker_hook_s")):
-                for hook, seconds in run["stats"]["vllm"][key].items():
-                    by_hook[side][hook] = by_hook[side].get(hook, 0.0) + seconds
+            by_hook["scheduler"].update(run["stats"]["vllm"]["hook_s"])
+            by_hook["worker"].update(run["stats"]["vllm"]["worker_hook_s"])
         figures |= {"scheduler_hooks_s": scheduler, "worker_hooks_s": worker,
                     "hooks_share": (scheduler + worker) / every_step, "every_step_s": every_step,
-                    "hook_s": {side: dict(sorted(h.items(), key=lambda kv: -kv[1])) for side, h in by_hook.items()},
+                    "hook_s": {side: dict(h.most_common()) for side, h in by_hook.items()},
                     "prompts": sum(len(r["batch"]) for run in runs for r in run["requests"]),
                     "stored_bytes": sum(run["stats"]["cache"]["tiers"]["ram"]["bytes_in"] for run in runs)}
     return figures

@@ -25,7 +25,7 @@ import logging
 import os
 import tempfile
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -105,8 +105,8 @@ class SchedulerStats:
     stats_write_errors: int = 0
     engine_s: float = 0.0         # in the connector's scheduler hooks, all told
     worker_engine_s: float = 0.0  # in its worker hooks, summed over ranks (as far as reported)
-    hook_s: dict[str, float] = field(default_factory=dict)         # engine_s by hook
-    worker_hook_s: dict[str, float] = field(default_factory=dict)  # worker_engine_s by hook
+    hook_s: Counter = field(default_factory=Counter)          # engine_s by hook
+    worker_hook_s: Counter = field(default_factory=Counter)   # worker_engine_s by hook
 
 
 class SchedulerSide:
@@ -158,7 +158,7 @@ class SchedulerSide:
 
     def count_hook(self, name: str, seconds: float) -> None:
         self.stats.engine_s += seconds
-        self.stats.hook_s[name] = self.stats.hook_s.get(name, 0.0) + seconds
+        self.stats.hook_s[name] += seconds
 
     # -- lookup -----------------------------------------------------------------------------
     def match(self, request, num_computed_tokens: int) -> int:
@@ -307,13 +307,11 @@ class SchedulerSide:
         self._loads, self._promotion_failed, self._abandoned = {}, set(), set()
         if self._within:
             self._plan_loads_within_step(scheduled, block_ids_of, plan)
-        B = self.B
-        for rid, (start, end) in scheduled.items():
-            ctx = self._requests.get(rid)
-            # block ids only where the step completes a prompt block (not for decode steps:
-            # asking vLLM for them was half of this hook's time on a miss)
-            if ctx is not None and start // B < min(end // B, len(ctx.state.keys)) and self.connector.token_groups:
-                self._plan_block_stores(ctx, start, end, block_ids_of(rid), plan)
+        if self.connector.token_groups:
+            for rid, (start, end) in scheduled.items():
+                ctx = self._requests.get(rid)
+                if ctx is not None:
+                    self._plan_block_stores(ctx, start, end, block_ids_of, plan)
         for rid, states in handoffs.items():
             ctx = self._requests.get(rid)
             if ctx is not None:
@@ -367,13 +365,18 @@ class SchedulerSide:
             self._failed_loads.add(rid)
             self.stats.promotion_failures += 1
 
-    def _plan_block_stores(self, ctx: _Request, start: int, end: int, block_ids, plan: StepPlan) -> None:
+    def _plan_block_stores(self, ctx: _Request, start: int, end: int, block_ids_of, plan: StepPlan) -> None:
         """The prompt blocks the step completed, in one reservation; where RAM cannot take
-        them all now, block by block from the first, as far as it can."""
+        them all now, block by block from the first, as far as it can. vLLM is asked for the
+        block ids only when the step completed a prompt block (not for a decoding step: asking
+        was half of this hook's time on a miss)."""
         state, conn, B, groups = ctx.state, self.connector, self.B, self.connector.token_groups
+        completed = range(start // B, min(end // B, len(state.keys)))
+        if not completed:
+            return
+        block_ids = block_ids_of(state.request_id)
         # a block some group no longer holds (sliding window) has nothing to give
-        blocks = [j for j in range(start // B, min(end // B, len(state.keys)))
-                  if conn.wants_block(state, j) and all(block_ids[gid][j] for gid in groups)]
+        blocks = [j for j in completed if conn.wants_block(state, j) and all(block_ids[gid][j] for gid in groups)]
         if not blocks or (len(blocks) > 1 and self._reserve(ctx, PageKind.ATTENTION, groups, blocks, block_ids, plan)):
             return
         for j in blocks:
@@ -422,8 +425,7 @@ class SchedulerSide:
         freed while a rank still writes it. A hit's pages stay pinned until every rank loaded."""
         for rank, part in (report.ranks.items() if report is not None else ()):
             self.stats.worker_engine_s += part.engine_s
-            for name, seconds in part.hook_s.items():
-                self.stats.worker_hook_s[name] = self.stats.worker_hook_s.get(name, 0.0) + seconds
+            self.stats.worker_hook_s.update(part.hook_s)
             if part.mapped:
                 self._ranks_mapped.add(rank)
             for rid in part.stored | part.store_failures:

@@ -19,7 +19,7 @@ would otherwise read blocks that were never filled.
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -81,11 +81,11 @@ class WorkerSide:
         self.counters = {"load_bytes": 0, "store_bytes": 0, "load_s": 0.0, "store_s": 0.0}
         self.engine_s = 0.0                  # in the connector's hooks, all told
         self._engine_s_taken = {"counters": 0.0, "report": 0.0}
-        self._hook_s: dict[str, float] = {}  # by hook, since the last report
+        self._hook_s: Counter = Counter()    # by hook, since the last report
 
     def count_hook(self, name: str, seconds: float) -> None:
         self.engine_s += seconds
-        self._hook_s[name] = self._hook_s.get(name, 0.0) + seconds
+        self._hook_s[name] += seconds
 
     def register(self, kv_caches: dict) -> None:
         views = block_views(self.layout, kv_caches, self.num_blocks)
@@ -189,7 +189,7 @@ class WorkerSide:
         if not report and not self._engine_s_due("report"):
             return None
         report.engine_s = self._engine_s_since("report")
-        report.hook_s, self._hook_s = self._hook_s, {}
+        report.hook_s, self._hook_s = dict(self._hook_s), Counter()    # a plain dict crosses processes
         return WorkerReport({self.rank: report})
 
     def finished_loads(self) -> tuple[set[str], set[str]]:
