@@ -2,6 +2,7 @@
 
 usage: tier_worker.py write STORE N [--storm] | read STORE N | region-create PATH | region-attach PATH
        | region-pin PATH LOG OTHERS
+       | region-mapped PATH SLOTS PAGE
 """
 
 import os
@@ -13,8 +14,10 @@ import numpy as np
 from hybridkv.cache import TieredCache, store_pages
 from hybridkv.config import CacheConfig
 from hybridkv.core.layout import layout_from_dict
-from hybridkv.ram.regions import SharedRegion
+from hybridkv.ram.regions import POPULATOR, SharedRegion
 from hybridkv.tiers.filesystem import FilesystemTier
+
+from helpers.smaps import mapped_bytes
 
 LAYOUT = layout_from_dict({
     "model": "tier-test", "block_tokens": 16, "max_model_len": 4096,
@@ -94,6 +97,12 @@ def main() -> None:
                     f.write("end\n")
 
             region.run_pin_hook(hook)
+            region.close()
+            return
+        elif cmd == "region-mapped":        # attach, let the pages map, report what is mapped
+            region = SharedRegion.attach(target, int(sys.argv[3]), int(sys.argv[4]))
+            assert POPULATOR.wait(region, 60)
+            print(mapped_bytes(target), int(region.array.sum()), flush=True)
             region.close()
             return
         else:

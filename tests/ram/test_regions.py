@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from hybridkv.core.errors import HybridKVError
-from hybridkv.ram.regions import SharedRegion, remove_stale_regions
+from hybridkv.ram.regions import POPULATOR, SharedRegion, remove_stale_regions
 
 from helpers.processes import spawn, worker
+from helpers.smaps import mapped_bytes
 
 
 def test_region_attach_from_second_process_sees_same_bytes(tmp_path):
@@ -56,6 +57,35 @@ def test_region_space_is_committed_at_creation_not_at_first_write(tmp_path):
     st = os.stat(tmp_path / "hybridkv-committed")
     assert st.st_blocks * 512 >= 64 * 65536
     region.close()
+
+
+def test_region_pages_are_mapped_ahead_of_use_by_creator_and_attacher(tmp_path):
+    """A store's first copy into a slot must not pay a page fault per 4 KiB on the engine's
+    step: every process mapping a region maps all of it in the background, without writing."""
+    path = tmp_path / "hybridkv-mapped"
+    slots, page = 64, 65536
+    region = SharedRegion.create(path, slots, page)
+    assert POPULATOR.wait(region, 60)
+    assert mapped_bytes(path) == slots * page
+    region.write(3, np.full(page, 5, np.uint8))
+    out = worker("region-mapped", path, slots, page)
+    assert out.returncode == 0, out.stderr
+    mapped, total = map(int, out.stdout.split())
+    assert mapped == slots * page
+    assert total == 5 * page                   # mapping the pages changed no byte
+    assert int(region.array.sum()) == 5 * page
+    region.close()
+
+
+def test_closing_a_region_while_its_pages_map_stops_the_mapping(tmp_path):
+    big = SharedRegion.create(tmp_path / "hybridkv-big", 64, 4 << 20)     # 256 MiB: many chunks
+    big.close()                                 # waits for the chunk in progress, then unmaps
+    assert POPULATOR.mapped(big) is None        # forgotten, not mapped into a closed mapping
+    assert not (tmp_path / "hybridkv-big").exists()
+    after = SharedRegion.create(tmp_path / "hybridkv-after", 16, 65536)
+    assert POPULATOR.wait(after, 60)            # the thread serves regions made later
+    assert mapped_bytes(tmp_path / "hybridkv-after") == 16 * 65536
+    after.close()
 
 
 def test_pin_hooks_of_two_processes_never_overlap(tmp_path):

@@ -5,16 +5,25 @@ attach by path and see the same bytes. Its owner holds an flock on a lease file 
 as it lives; the kernel drops the lock when the owner dies, however it dies, so a later start
 removes the regions of killed owners and never a live owner's. A lock, unlike a PID, means
 the same thing in every container that shares the directory.
+
+Every process that maps a region maps its pages ahead of use, in slot order, on a thread of
+its own: the first write into a freshly mapped 4 KiB page costs a page fault,
+and a store copying into never-touched slots ran at 3 GB/s instead of 22 GB/s, on the engine's
+step. A CUDA pin hook maps every page already when it registers the region.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import fcntl
 import json
+import logging
 import mmap
 import os
 import tempfile
+import threading
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from hybridkv.core.errors import HybridKVError
+
+log = logging.getLogger(__name__)
 
 
 class PinningFailed(HybridKVError):
@@ -62,6 +73,93 @@ def _hold_lease(path: Path) -> int:
             os.unlink(tmp)
         raise
     return fd
+
+
+MADV_POPULATE_WRITE = 23          # Linux 5.14+: map pages writable without touching them
+POPULATE_CHUNK = 16 << 20         # per call; closing a region waits for at most one
+
+
+class _Populator:
+    """One thread per process maps the pages of its regions ahead of use, a chunk of each
+    region in turn and lowest addresses first (pools hand out slots from 0 up, so the slots
+    used first are mapped first). It never writes a byte, so it runs while other processes
+    use the pages; ``madvise`` runs through ctypes, which releases the GIL. Where the kernel
+    lacks MADV_POPULATE_WRITE it gives up: pages then fault in as they are first used."""
+
+    def __init__(self):
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        self._changed = threading.Condition()
+        self._jobs: dict[int, list] = {}    # id(region) -> [region, bytes mapped]: held until done
+        self._busy: int | None = None            # the job madvise is working on now
+        self._thread: threading.Thread | None = None
+        self.unsupported: str | None = None      # why the kernel refused, once it has
+
+    def add(self, region: SharedRegion) -> None:
+        if self.unsupported is not None:
+            return
+        with self._changed:
+            self._jobs[id(region)] = [region, 0]
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="hybridkv-map-pages", daemon=True)
+                self._thread.start()
+
+    def mapped(self, region: SharedRegion) -> int | None:
+        """Bytes of the region mapped so far; None once it is done or was never queued."""
+        with self._changed:
+            job = self._jobs.get(id(region))
+            return None if job is None else job[1]
+
+    def wait(self, region: SharedRegion, timeout: float) -> bool:
+        """Wait until the region is mapped (or given up on); False on timeout."""
+        with self._changed:
+            return self._changed.wait_for(lambda: id(region) not in self._jobs, timeout)
+
+    def remove(self, region: SharedRegion) -> None:
+        """Forget the region, waiting out a chunk in progress: the caller is about to unmap."""
+        with self._changed:
+            self._jobs.pop(id(region), None)
+            self._changed.wait_for(lambda: self._busy != id(region))
+
+    def _run(self) -> None:
+        madvise = self._libc.madvise
+        turn = 0
+        while True:
+            with self._changed:
+                if not self._jobs:
+                    self._thread = None
+                    return
+                key = list(self._jobs)[turn % len(self._jobs)]
+                region, done = self._jobs[key]
+                address, nbytes = region.array.ctypes.data, region.nbytes
+                self._busy = key
+            turn += 1
+            n = min(POPULATE_CHUNK, nbytes - done)
+            failed = madvise(ctypes.c_void_p(address + done), ctypes.c_size_t(n), MADV_POPULATE_WRITE) != 0
+            error = ctypes.get_errno() if failed else 0
+            with self._changed:
+                self._busy = None
+                job = self._jobs.get(key)
+                if error == errno.EINVAL:          # a kernel before 5.14
+                    self.unsupported = os.strerror(error)
+                    self._jobs.clear()
+                    log.info("hybridkv: RAM pages fault in as first used (madvise: %s)", self.unsupported)
+                elif job is not None:
+                    job[1] += n
+                    if failed or job[1] >= nbytes:
+                        del self._jobs[key]
+                    if failed:
+                        log.warning("hybridkv: mapping RAM region %s ahead of use stopped: %s",
+                                    region.path, os.strerror(error))
+                self._changed.notify_all()
+
+    def forget_after_fork(self) -> None:
+        """A forked child has no thread and maps its inherited regions on its own account."""
+        self._changed = threading.Condition()
+        self._jobs, self._busy, self._thread = {}, None, None
+
+
+POPULATOR = _Populator()
+os.register_at_fork(after_in_child=POPULATOR.forget_after_fork)
 
 
 class SharedRegion:
@@ -110,8 +208,7 @@ class SharedRegion:
                     f"RAM region {path} needs {size} B that {path.parent} cannot provide "
                     f"({e.strerror}); lower ram_bytes or point ram_dir at a larger tmpfs") from None
             region = cls(path, slots, page_bytes, fd, owner=True)
-            if pin_hook is not None:
-                region.run_pin_hook(pin_hook, rank)
+            region.map_pages(pin_hook, rank)
             return region
         except BaseException:
             if region is not None:
@@ -140,12 +237,11 @@ class SharedRegion:
                 "the processes disagree on the layout or budget"
             )
         region = cls(path, slots, page_bytes, fd, owner=False)
-        if pin_hook is not None:
-            try:
-                region.run_pin_hook(pin_hook, rank)
-            except BaseException:
-                region.close()
-                raise
+        try:
+            region.map_pages(pin_hook, rank)
+        except BaseException:
+            region.close()
+            raise
         return region
 
     def take_ownership(self) -> None:
@@ -153,6 +249,13 @@ class SharedRegion:
         close, or by the finalizer when a region is never closed (forgotten cache, exception)."""
         if self._unlinker is None:
             self._unlinker = weakref.finalize(self, _unlink_region, self.path, _hold_lease(self.path))
+
+    def map_pages(self, pin_hook: PinHook | None, rank: int = 0) -> None:
+        """Pin the region (which maps every page) or start mapping its pages in the background."""
+        if pin_hook is not None:
+            self.run_pin_hook(pin_hook, rank)
+        else:
+            POPULATOR.add(self)
 
     def run_pin_hook(self, hook: PinHook, rank: int = 0) -> None:
         """Run e.g. CUDA host registration under an exclusive flock; failure is fatal."""
@@ -184,6 +287,7 @@ class SharedRegion:
     def close(self) -> None:
         if self._map is None:
             return
+        POPULATOR.remove(self)
         if self._unpin is not None:
             self._unpin()
             self._unpin = None

@@ -62,6 +62,11 @@ def tables(res: dict) -> str:
     add(f"| {ram['page_bytes'] // 2**20} MiB | {_r(ram['copy_gbps'])} | {_r(ram['memcpy_gbps'])} | "
         f"{_r(ram['ratio'])} | {_r(sp['copy_gbps'][0])}–{_r(sp['copy_gbps'][1])} / "
         f"{_r(sp['memcpy_gbps'][0])}–{_r(sp['memcpy_gbps'][1])} |\n")
+    if "first_copy_gbps" in ram:
+        add(f"First copy into every slot of a new region (a store into slots never used before): "
+            f"{_r(ram['first_copy_gbps'])} GB/s with the region's pages mapped ahead, "
+            f"{_r(ram['first_copy_unmapped_gbps'])} GB/s where each 4 KiB page faults in as the copy "
+            f"first touches it ({_r(ram['first_copy_gbps'] / ram['first_copy_unmapped_gbps'])}x).\n")
     fs = res["fs"]
     add(f"### Filesystem tier vs the same files written and read raw ({fs['page_bytes'] // 2**20} MiB pages)\n")
     add("| mode | write GB/s | raw write | ratio | read GB/s | raw read | ratio |")
