@@ -352,6 +352,8 @@ class TieredCache:
         """End-of-step: publish promotions whose reads finished (their pages are pinned for
         whoever waits), unpin pages whose write-through finished; returns how many of those."""
         self.promotions.settle_finished()
+        for gid, region in self.regions.items():     # the slots promotions will read into next
+            region.map_ahead(self.pools.pool(gid).slots_used)
         done, waiting = [], []
         for w in self._writes:
             (done if all(f.done() for f in w.futures) else waiting).append(w)

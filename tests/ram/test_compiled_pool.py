@@ -53,7 +53,8 @@ class SideBySide:
 
     def check(self, universe):
         p, c = self.python, self.compiled
-        assert (len(p), p.free_count(), p.evictable_count()) == (len(c), c.free_count(), c.evictable_count())
+        assert (len(p), p.free_count(), p.evictable_count(), p.slots_used) == \
+            (len(c), c.free_count(), c.evictable_count(), c.slots_used)
         assert p.snapshot_stats() == c.snapshot_stats()
         for key in universe:
             assert p.lookup(key) is c.lookup(key), key

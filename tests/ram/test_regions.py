@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from hybridkv.core.errors import HybridKVError
-from hybridkv.ram.regions import POPULATOR, SharedRegion, remove_stale_regions
+from hybridkv.ram.regions import MAP_AHEAD_BYTES, POPULATOR, SharedRegion, remove_stale_regions
 
 from helpers.processes import spawn, worker
 from helpers.smaps import mapped_bytes
@@ -77,8 +77,29 @@ def test_region_pages_are_mapped_ahead_of_use_by_creator_and_attacher(tmp_path):
     region.close()
 
 
+def test_a_region_maps_the_slots_in_use_and_a_window_beyond_not_all_of_it(tmp_path):
+    """Mapping a large region whole would cost every process a core for seconds at start;
+    mapping a sliver more at every step would wake a thread at every step."""
+    path, page, window = tmp_path / "hybridkv-window", 1 << 20, MAP_AHEAD_BYTES
+    slots = 5 * window // page
+    region = SharedRegion.create(path, slots, page)
+    assert POPULATOR.wait(region, 60)
+    assert mapped_bytes(path) == 2 * window               # the first slots a pool hands out
+    region.map_ahead(window // page)                       # still a window ahead: nothing to do
+    assert POPULATOR.wait(region, 60)
+    assert mapped_bytes(path) == 2 * window
+    region.map_ahead(2 * window // page)                   # less than a window ahead: two more
+    assert POPULATOR.wait(region, 60)
+    assert mapped_bytes(path) == 4 * window
+    region.map_ahead(slots)
+    assert POPULATOR.wait(region, 60)
+    assert mapped_bytes(path) == slots * page              # never past the end
+    region.close()
+
+
 def test_closing_a_region_while_its_pages_map_stops_the_mapping(tmp_path):
     big = SharedRegion.create(tmp_path / "hybridkv-big", 64, 4 << 20)     # 256 MiB: many chunks
+    big.map_ahead(64)
     big.close()                                 # waits for the chunk in progress, then unmaps
     assert POPULATOR.mapped(big) is None        # forgotten, not mapped into a closed mapping
     assert not (tmp_path / "hybridkv-big").exists()

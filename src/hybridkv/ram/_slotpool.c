@@ -864,6 +864,7 @@ static PyMethodDef Pool_methods[] = {
 static PyMemberDef Pool_members[] = {
     {"group_id", T_OBJECT, offsetof(Pool, group_id), READONLY, NULL},
     {"capacity", T_PYSSIZET, offsetof(Pool, capacity), READONLY, NULL},
+    {"slots_used", T_PYSSIZET, offsetof(Pool, fresh), READONLY, "slots ever handed out, from 0 up"},
     {"target_t1", T_DOUBLE, offsetof(Pool, target_t1), 0, "ARC: how many resident keys T1 should hold"},
     {"stores", T_LONGLONG, offsetof(Pool, stores), 0, NULL},
     {"failed_stores", T_LONGLONG, offsetof(Pool, failed_stores), 0, NULL},

@@ -88,7 +88,7 @@ class SlotPool(PoolReports):
         self._visible = _Visibility()
         self.lookup = self._visible.__getitem__
         self._free: list[int] = []
-        self._fresh = 0            # slots never handed out start here (lazy free list)
+        self.slots_used = 0        # slots ever handed out, from 0 up; the rest wait here (lazy free list)
         self.stores = self.failed_stores = self.evictions = self.store_refusals = 0
         self.touch = self.policy.touch   # recency update, straight to the policy (hot path)
 
@@ -103,7 +103,7 @@ class SlotPool(PoolReports):
         return list(self._entries)
 
     def free_count(self) -> int:
-        return len(self._free) + self.capacity - self._fresh
+        return len(self._free) + self.capacity - self.slots_used
 
     def evictable_count(self) -> int:
         return self.policy.evictable_count()
@@ -172,7 +172,7 @@ class SlotPool(PoolReports):
         if not new:
             return StorePlan([], [], [])
         evicted: list = []
-        need = len(new) - len(free) - self.capacity + self._fresh
+        need = len(new) - len(free) - self.capacity + self.slots_used
         if need > 0:
             victims = self.policy.evict(need, keys if len(keys) < 8 else set(keys))
             if victims is None:
@@ -190,8 +190,8 @@ class SlotPool(PoolReports):
             if free:
                 s = free.pop()
             else:
-                s = self._fresh
-                self._fresh += 1
+                s = self.slots_used
+                self.slots_used += 1
             entries[key] = PoolEntry(s)
             visible[key] = HIT_PENDING
             inserted(key)

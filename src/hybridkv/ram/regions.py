@@ -6,9 +6,9 @@ as it lives; the kernel drops the lock when the owner dies, however it dies, so 
 removes the regions of killed owners and never a live owner's. A lock, unlike a PID, means
 the same thing in every container that shares the directory.
 
-Every process that maps a region maps its pages ahead of use, in slot order, on a thread of
-its own: the first write into a freshly mapped 4 KiB page costs a page fault,
-and a store copying into never-touched slots ran at 3 GB/s instead of 22 GB/s, on the engine's
+Every process that maps a region maps its pages ahead of use, on a thread of its own
+(``map_ahead``): the first write into a freshly mapped 4 KiB page costs a page fault, and a
+store copying into never-touched slots ran at 3 GB/s instead of 19 GB/s, on the engine's
 step. A CUDA pin hook maps every page already when it registers the region.
 """
 
@@ -77,42 +77,56 @@ def _hold_lease(path: Path) -> int:
 
 MADV_POPULATE_WRITE = 23          # Linux 5.14+: map pages writable without touching them
 POPULATE_CHUNK = 16 << 20         # per call; closing a region waits for at most one
+MAP_AHEAD_BYTES = 64 << 20        # mapped beyond the slots in use: the next stores' slots
 
 
 class _Populator:
-    """One thread per process maps the pages of its regions ahead of use, a chunk of each
-    region in turn and lowest addresses first (pools hand out slots from 0 up, so the slots
-    used first are mapped first). It never writes a byte, so it runs while other processes
-    use the pages; ``madvise`` runs through ctypes, which releases the GIL. Where the kernel
-    lacks MADV_POPULATE_WRITE it gives up: pages then fault in as they are first used."""
+    """One thread per process maps pages of its regions before a copy needs them: the slots in
+    use and ``MAP_AHEAD_BYTES`` beyond (pools hand out slots from 0 up, so those are the next
+    ones a store takes), a chunk of each region in turn. Mapping a whole region up front cost
+    ~0.25 s of a core per GiB in every process and slowed the first requests on a small
+    machine; this maps no page a copy would not have faulted in anyway, bar one window. It
+    never writes a byte, so it runs while other processes use the pages; ``madvise`` runs
+    through ctypes, which releases the GIL. Where the kernel lacks MADV_POPULATE_WRITE it
+    gives up: pages then fault in as they are first used."""
 
     def __init__(self):
         self._libc = ctypes.CDLL(None, use_errno=True)
         self._changed = threading.Condition()
-        self._jobs: dict[int, list] = {}    # id(region) -> [region, bytes mapped]: held until done
-        self._busy: int | None = None            # the job madvise is working on now
+        self._jobs: dict[int, list] = {}    # id(region) -> [region, bytes mapped, bytes to map]
+        self._busy: int | None = None       # the job madvise is working on now
         self._thread: threading.Thread | None = None
         self.unsupported: str | None = None      # why the kernel refused, once it has
 
-    def add(self, region: SharedRegion) -> None:
+    def map_to(self, region: SharedRegion, needed: int, then: int) -> None:
+        """Have the region's first ``needed`` bytes mapped; when that asks for more than was
+        asked before, map up to ``then`` (further: the work comes in a few large steps, not a
+        sliver at every engine step)."""
         if self.unsupported is not None:
             return
         with self._changed:
-            self._jobs[id(region)] = [region, 0]
+            job = self._jobs.setdefault(id(region), [region, 0, 0])
+            if needed <= job[2]:
+                return
+            job[2] = then
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="hybridkv-map-pages", daemon=True)
                 self._thread.start()
+            self._changed.notify_all()
 
     def mapped(self, region: SharedRegion) -> int | None:
-        """Bytes of the region mapped so far; None once it is done or was never queued."""
+        """Bytes of the region mapped so far; None if it is not (or no longer) known here."""
         with self._changed:
             job = self._jobs.get(id(region))
             return None if job is None else job[1]
 
     def wait(self, region: SharedRegion, timeout: float) -> bool:
-        """Wait until the region is mapped (or given up on); False on timeout."""
+        """Wait until what the region asked for is mapped (or given up on); False on timeout."""
+        def done() -> bool:
+            job = self._jobs.get(id(region))
+            return job is None or job[1] >= job[2]
         with self._changed:
-            return self._changed.wait_for(lambda: id(region) not in self._jobs, timeout)
+            return self._changed.wait_for(done, timeout)
 
     def remove(self, region: SharedRegion) -> None:
         """Forget the region, waiting out a chunk in progress: the caller is about to unmap."""
@@ -120,21 +134,27 @@ class _Populator:
             self._jobs.pop(id(region), None)
             self._changed.wait_for(lambda: self._busy != id(region))
 
+    def _next(self) -> tuple[int, SharedRegion, int, int] | None:
+        """The next chunk to map, round robin over regions with work left (under the lock)."""
+        pending = [k for k, (_, done, target) in self._jobs.items() if done < target]
+        if not pending:
+            return None
+        key = min(pending, key=lambda k: self._jobs[k][1])     # the least mapped region first
+        region, done, target = self._jobs[key]
+        return key, region, done, min(POPULATE_CHUNK, target - done)
+
     def _run(self) -> None:
         madvise = self._libc.madvise
-        turn = 0
         while True:
             with self._changed:
-                if not self._jobs:
-                    self._thread = None
-                    return
-                key = list(self._jobs)[turn % len(self._jobs)]
-                region, done = self._jobs[key]
-                address, nbytes = region.array.ctypes.data, region.nbytes
+                chunk = self._next()
+                while chunk is None:            # idle until a region asks for more
+                    self._changed.wait()
+                    chunk = self._next()
+                key, region, done, n = chunk
+                address = region.array.ctypes.data + done
                 self._busy = key
-            turn += 1
-            n = min(POPULATE_CHUNK, nbytes - done)
-            failed = madvise(ctypes.c_void_p(address + done), ctypes.c_size_t(n), MADV_POPULATE_WRITE) != 0
+            failed = madvise(ctypes.c_void_p(address), ctypes.c_size_t(n), MADV_POPULATE_WRITE) != 0
             error = ctypes.get_errno() if failed else 0
             with self._changed:
                 self._busy = None
@@ -143,13 +163,12 @@ class _Populator:
                     self.unsupported = os.strerror(error)
                     self._jobs.clear()
                     log.info("hybridkv: RAM pages fault in as first used (madvise: %s)", self.unsupported)
+                elif job is not None and failed:
+                    job[1] = job[2] = region.nbytes    # given up on: never asked again
+                    log.warning("hybridkv: mapping RAM region %s ahead of use stopped: %s",
+                                region.path, os.strerror(error))
                 elif job is not None:
-                    job[1] += n
-                    if failed or job[1] >= nbytes:
-                        del self._jobs[key]
-                    if failed:
-                        log.warning("hybridkv: mapping RAM region %s ahead of use stopped: %s",
-                                    region.path, os.strerror(error))
+                    job[1] = done + n
                 self._changed.notify_all()
 
     def forget_after_fork(self) -> None:
@@ -172,6 +191,7 @@ class SharedRegion:
         self.array = np.frombuffer(self._map, dtype=np.uint8).reshape(slots, page_bytes)
         self._unlinker = None
         self._unpin: Callable[[], None] | None = None
+        self._pinned = False               # a pin hook ran: every page is mapped
         if owner:
             self.take_ownership()
 
@@ -255,7 +275,15 @@ class SharedRegion:
         if pin_hook is not None:
             self.run_pin_hook(pin_hook, rank)
         else:
-            POPULATOR.add(self)
+            self.map_ahead(0)
+
+    def map_ahead(self, slots_used: int) -> None:
+        """Slots below ``slots_used`` are in use: have them and at least a window beyond mapped
+        in this process, in the background (a pinned region is mapped whole already)."""
+        if not self._pinned:
+            ahead = max(MAP_AHEAD_BYTES, self.page_bytes)
+            needed = slots_used * self.page_bytes + ahead
+            POPULATOR.map_to(self, min(self.nbytes, needed), min(self.nbytes, needed + ahead))
 
     def run_pin_hook(self, hook: PinHook, rank: int = 0) -> None:
         """Run e.g. CUDA host registration under an exclusive flock; failure is fatal."""
@@ -263,6 +291,7 @@ class SharedRegion:
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX)
             self._unpin = hook(self)
+            self._pinned = True
         except Exception as e:
             raise PinningFailed(
                 f"pinning RAM region failed on rank {rank}: path {self.path}, size {self.nbytes} B: {e}"

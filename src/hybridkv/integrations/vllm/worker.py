@@ -143,7 +143,9 @@ class WorkerSide:
         try:
             self._attach(plan)          # a region that cannot be attached fails this copy only
             for gid, (slots, blocks) in _merge([c for cs in batches.values() for c in cs]).items():
-                batch.transfers.append(copy(gid, self.regions[gid], slots, blocks))
+                region = self.regions[gid]
+                batch.transfers.append(copy(gid, region, slots, blocks))
+                region.map_ahead(max(slots, default=-1) + 1)   # the next steps' slots, before they copy
                 batch.nbytes += len(slots) * self.copier.slice_bytes[gid]
             return batch
         except PinningFailed:
