@@ -347,6 +347,9 @@ class PagelessRegion:
     def write(self, slot: int, data) -> None:
         """Nothing to copy into."""
 
+    def map_ahead(self, slots_used: int) -> None:
+        """Nothing to map."""
+
     def close(self) -> None:
         """Nothing to release."""
 
