@@ -280,7 +280,7 @@ class SharedRegion:
     def map_ahead(self, slots_used: int) -> None:
         """Slots below ``slots_used`` are in use: have them and at least a window beyond mapped
         in this process, in the background (a pinned region is mapped whole already)."""
-        if not self._pinned:
+        if not self._pinned and self._map is not None:      # not pinned, not closed
             ahead = max(MAP_AHEAD_BYTES, self.page_bytes)
             needed = slots_used * self.page_bytes + ahead
             POPULATOR.map_to(self, min(self.nbytes, needed), min(self.nbytes, needed + ahead))
