@@ -8,7 +8,8 @@ import numpy as np
 from hybridkv.cache import TieredCache, store_pages
 from hybridkv.config import CacheConfig
 from hybridkv.core.layout import layout_from_dict
-from hybridkv.ram.regions import MAP_AHEAD_BYTES, POPULATOR, SharedRegion
+from hybridkv.ram import regions
+from hybridkv.ram.regions import POPULATOR, SharedRegion
 from hybridkv.tiers import filesystem
 from hybridkv.tiers.filesystem import FilesystemTier
 
@@ -96,20 +97,22 @@ def test_corrupt_secondary_page_fails_acquire_and_is_not_served(tmp_path):
         assert cache.pools.pool(1).lookup(key(4)).value == "miss"
 
 
-def test_each_step_maps_ahead_the_slots_the_pools_handed_out():
+def test_each_step_maps_ahead_the_slots_the_pools_handed_out(tmp_path, monkeypatch):
     """Promotions read into the slots a pool hands out next; their pages are mapped by then."""
-    page_bytes = 1 << 20
+    window, page_bytes = 1 << 20, 65536
+    monkeypatch.setattr(regions, "MAP_AHEAD_BYTES", window)
     layout = layout_from_dict({"model": "ahead", "block_tokens": 16, "max_model_len": 4096,
                                "groups": [{"id": 0, "kind": "attention", "page_bytes": page_bytes}]})
-    with TieredCache(layout, CacheConfig(block_tokens=16, ram_bytes=5 * MAP_AHEAD_BYTES)) as cache:
+    config = CacheConfig(block_tokens=16, ram_bytes=5 * window, ram_dir=str(tmp_path))
+    with TieredCache(layout, config) as cache:
         region = cache.regions[0]
         assert POPULATOR.wait(region, 60)
-        assert mapped_bytes(region.path) == 2 * MAP_AHEAD_BYTES
-        n = MAP_AHEAD_BYTES // page_bytes + 8
+        assert mapped_bytes(region.path) == 2 * window
+        n = window // page_bytes + 8
         plans = cache.prepare_store({0: [key(i) for i in range(n)]})    # reserved, not written
         cache.poll()
         assert POPULATOR.wait(region, 60)
-        assert mapped_bytes(region.path) == n * page_bytes + 2 * MAP_AHEAD_BYTES
+        assert mapped_bytes(region.path) == n * page_bytes + 2 * window
         cache.complete_store(plans, ok=False)
 
 

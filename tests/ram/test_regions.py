@@ -1,6 +1,8 @@
 """Shared RAM regions: attach, ownership, leases, committed space, pin hooks."""
 
+import gc
 import json
+import logging
 import os
 import signal
 
@@ -8,7 +10,8 @@ import numpy as np
 import pytest
 
 from hybridkv.core.errors import HybridKVError
-from hybridkv.ram.regions import MAP_AHEAD_BYTES, POPULATOR, SharedRegion, remove_stale_regions
+from hybridkv.ram import regions
+from hybridkv.ram.regions import POPULATOR, SharedRegion, remove_stale_regions
 
 from helpers.processes import spawn, worker
 from helpers.smaps import mapped_bytes
@@ -59,9 +62,16 @@ def test_region_space_is_committed_at_creation_not_at_first_write(tmp_path):
     region.close()
 
 
+@pytest.fixture
+def small_window(monkeypatch):
+    """A 1 MiB window, so the regions that show it stay small (their files live on disk)."""
+    monkeypatch.setattr(regions, "MAP_AHEAD_BYTES", 1 << 20)
+    return 1 << 20
+
+
 def test_region_pages_are_mapped_ahead_of_use_by_creator_and_attacher(tmp_path):
     """A store's first copy into a slot must not pay a page fault per 4 KiB on the engine's
-    step: every process mapping a region maps all of it in the background, without writing."""
+    step: every process mapping a region maps the first slots in the background, writing nothing."""
     path = tmp_path / "hybridkv-mapped"
     slots, page = 64, 65536
     region = SharedRegion.create(path, slots, page)
@@ -77,10 +87,10 @@ def test_region_pages_are_mapped_ahead_of_use_by_creator_and_attacher(tmp_path):
     region.close()
 
 
-def test_a_region_maps_the_slots_in_use_and_a_window_beyond_not_all_of_it(tmp_path):
+def test_a_region_maps_the_slots_in_use_and_a_window_beyond_not_all_of_it(tmp_path, small_window):
     """Mapping a large region whole would cost every process a core for seconds at start;
     mapping a sliver more at every step would wake a thread at every step."""
-    path, page, window = tmp_path / "hybridkv-window", 1 << 20, MAP_AHEAD_BYTES
+    path, page, window = tmp_path / "hybridkv-window", 65536, small_window
     slots = 5 * window // page
     region = SharedRegion.create(path, slots, page)
     assert POPULATOR.wait(region, 60)
@@ -97,15 +107,42 @@ def test_a_region_maps_the_slots_in_use_and_a_window_beyond_not_all_of_it(tmp_pa
     region.close()
 
 
-def test_closing_a_region_while_its_pages_map_stops_the_mapping(tmp_path):
-    big = SharedRegion.create(tmp_path / "hybridkv-big", 64, 4 << 20)     # 256 MiB: many chunks
+def test_pages_of_any_size_map_in_whole_memory_pages(tmp_path, small_window):
+    """Engines' pages are rarely 4 KiB multiples; a window ending inside a memory page must
+    not leave the next one starting there (madvise refuses an unaligned start)."""
+    path, page = tmp_path / "hybridkv-odd", 41060
+    slots = 6 * small_window // page
+    region = SharedRegion.create(path, slots, page)
+    for used in (0, small_window // page + 1, 3 * small_window // page, slots):
+        region.map_ahead(used)
+        assert POPULATOR.wait(region, 60)
+        assert mapped_bytes(path) >= min(slots * page, used * page + small_window)
+    assert POPULATOR.unsupported is None
+    assert mapped_bytes(path) >= slots * page
+    region.close()
+
+
+def test_a_region_nobody_closes_is_still_collected_and_removed(tmp_path):
+    """The page-mapping thread must not keep a forgotten region, and its file, alive."""
+    path = tmp_path / "hybridkv-forgotten"
+    region = SharedRegion.create(path, 64, 65536)
+    assert POPULATOR.wait(region, 60)
+    del region
+    gc.collect()
+    assert not path.exists()
+
+
+def test_closing_a_region_while_its_pages_map_stops_the_mapping(tmp_path, caplog):
+    big = SharedRegion.create(tmp_path / "hybridkv-big", 64, 1 << 20)     # 64 MiB: four chunks
     big.map_ahead(64)
-    big.close()                                 # waits for the chunk in progress, then unmaps
+    with caplog.at_level(logging.WARNING, logger="hybridkv.ram.regions"):
+        big.close()                             # waits for the chunk in progress, then unmaps
+        after = SharedRegion.create(tmp_path / "hybridkv-after", 16, 65536)
+        assert POPULATOR.wait(after, 60)        # the thread serves regions made later
     assert POPULATOR.mapped(big) is None        # forgotten, not mapped into a closed mapping
     assert not (tmp_path / "hybridkv-big").exists()
-    after = SharedRegion.create(tmp_path / "hybridkv-after", 16, 65536)
-    assert POPULATOR.wait(after, 60)            # the thread serves regions made later
     assert mapped_bytes(tmp_path / "hybridkv-after") == 16 * 65536
+    assert not caplog.records                   # no chunk ran into the unmapped region
     after.close()
 
 

@@ -18,6 +18,7 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import itertools
 import json
 import logging
 import mmap
@@ -80,36 +81,59 @@ POPULATE_CHUNK = 16 << 20         # per call; closing a region waits for at most
 MAP_AHEAD_BYTES = 64 << 20        # mapped beyond the slots in use: the next stores' slots
 
 
+def _page_up(n: int) -> int:
+    return -(-n // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
 class _Populator:
     """One thread per process maps pages of its regions before a copy needs them: the slots in
     use and ``MAP_AHEAD_BYTES`` beyond (pools hand out slots from 0 up, so those are the next
-    ones a store takes), a chunk of each region in turn. Mapping a whole region up front cost
-    ~0.25 s of a core per GiB in every process and slowed the first requests on a small
-    machine; this maps no page a copy would not have faulted in anyway, bar one window. It
-    never writes a byte, so it runs while other processes use the pages; ``madvise`` runs
-    through ctypes, which releases the GIL. Where the kernel lacks MADV_POPULATE_WRITE it
-    gives up: pages then fault in as they are first used."""
+    ones a store takes), the least mapped region's next chunk first. Mapping a whole region up
+    front cost ~0.25 s of a core per GiB in every process and slowed the first requests on a
+    small machine; this maps what the slots in use need, and a window. It never writes a
+    byte, so it runs while other processes use the pages; ``madvise`` runs through ctypes,
+    which releases the GIL. It holds a region only while mapping a chunk of it, so a region
+    nobody closes is still collected. Where the kernel lacks MADV_POPULATE_WRITE (before
+    5.14) nothing is mapped ahead: pages fault in as they are first used."""
 
     def __init__(self):
         self._libc = ctypes.CDLL(None, use_errno=True)
         self._changed = threading.Condition()
-        self._jobs: dict[int, list] = {}    # id(region) -> [region, bytes mapped, bytes to map]
+        self._jobs: dict[int, list] = {}    # serial -> [weakref to the region, bytes mapped, to map]
         self._busy: int | None = None       # the job madvise is working on now
         self._thread: threading.Thread | None = None
-        self.unsupported: str | None = None      # why the kernel refused, once it has
+        self.unsupported: str | None = None      # why the kernel cannot, once probed
+        self._probed = False
+
+    def _madvise(self, address: int, nbytes: int) -> int:
+        """0, or the errno of a failed MADV_POPULATE_WRITE."""
+        failed = self._libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), MADV_POPULATE_WRITE)
+        return ctypes.get_errno() if failed else 0
+
+    def _probe(self) -> bool:
+        """Does this kernel know MADV_POPULATE_WRITE? Asked once, of a page of our own."""
+        if not self._probed:
+            self._probed = True
+            page = mmap.mmap(-1, mmap.PAGESIZE)
+            error = self._madvise(np.frombuffer(page, np.uint8).ctypes.data, mmap.PAGESIZE)
+            page.close()
+            if error:
+                self.unsupported = os.strerror(error)
+                log.info("hybridkv: RAM pages fault in as first used (madvise: %s)", self.unsupported)
+        return self.unsupported is None
 
     def map_to(self, region: SharedRegion, needed: int, then: int) -> None:
         """Have the region's first ``needed`` bytes mapped; when that asks for more than was
         asked before, map up to ``then`` (further: the work comes in a few large steps, not a
-        sliver at every engine step)."""
-        if self.unsupported is not None:
-            return
+        sliver at every engine step). Both are rounded up to whole memory pages."""
         with self._changed:
-            job = self._jobs.setdefault(id(region), [region, 0, 0])
+            if not self._probe():
+                return
+            job = self._jobs.setdefault(region._serial, [weakref.ref(region), 0, 0])
             if needed <= job[2]:
                 return
-            job[2] = then
-            if self._thread is None:
+            job[2] = min(_page_up(then), _page_up(region.nbytes))
+            if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="hybridkv-map-pages", daemon=True)
                 self._thread.start()
             self._changed.notify_all()
@@ -117,13 +141,13 @@ class _Populator:
     def mapped(self, region: SharedRegion) -> int | None:
         """Bytes of the region mapped so far; None if it is not (or no longer) known here."""
         with self._changed:
-            job = self._jobs.get(id(region))
+            job = self._jobs.get(region._serial)
             return None if job is None else job[1]
 
     def wait(self, region: SharedRegion, timeout: float) -> bool:
         """Wait until what the region asked for is mapped (or given up on); False on timeout."""
         def done() -> bool:
-            job = self._jobs.get(id(region))
+            job = self._jobs.get(region._serial)
             return job is None or job[1] >= job[2]
         with self._changed:
             return self._changed.wait_for(done, timeout)
@@ -131,45 +155,48 @@ class _Populator:
     def remove(self, region: SharedRegion) -> None:
         """Forget the region, waiting out a chunk in progress: the caller is about to unmap."""
         with self._changed:
-            self._jobs.pop(id(region), None)
-            self._changed.wait_for(lambda: self._busy != id(region))
+            self._jobs.pop(region._serial, None)
+            self._changed.wait_for(lambda: self._busy != region._serial)
 
     def _next(self) -> tuple[int, SharedRegion, int, int] | None:
-        """The next chunk to map, round robin over regions with work left (under the lock)."""
-        pending = [k for k, (_, done, target) in self._jobs.items() if done < target]
-        if not pending:
-            return None
-        key = min(pending, key=lambda k: self._jobs[k][1])     # the least mapped region first
-        region, done, target = self._jobs[key]
-        return key, region, done, min(POPULATE_CHUNK, target - done)
+        """The next chunk: the least mapped region's (under the lock; drops dead regions)."""
+        while True:
+            pending = [k for k, (_, done, target) in self._jobs.items() if done < target]
+            if not pending:
+                return None
+            key = min(pending, key=lambda k: self._jobs[k][1])
+            ref, done, target = self._jobs[key]
+            region = ref()
+            if region is None or region.array is None:       # collected or closed
+                del self._jobs[key]
+                continue
+            return key, region, done, min(POPULATE_CHUNK, target - done)
 
     def _run(self) -> None:
-        madvise = self._libc.madvise
         while True:
             with self._changed:
                 chunk = self._next()
                 while chunk is None:            # idle until a region asks for more
                     self._changed.wait()
                     chunk = self._next()
-                key, region, done, n = chunk
+                key, region, done, n = chunk    # held (mapped) until this chunk is done
                 address = region.array.ctypes.data + done
                 self._busy = key
-            failed = madvise(ctypes.c_void_p(address), ctypes.c_size_t(n), MADV_POPULATE_WRITE) != 0
-            error = ctypes.get_errno() if failed else 0
-            with self._changed:
-                self._busy = None
-                job = self._jobs.get(key)
-                if error == errno.EINVAL:          # a kernel before 5.14
-                    self.unsupported = os.strerror(error)
-                    self._jobs.clear()
-                    log.info("hybridkv: RAM pages fault in as first used (madvise: %s)", self.unsupported)
-                elif job is not None and failed:
-                    job[1] = job[2] = region.nbytes    # given up on: never asked again
-                    log.warning("hybridkv: mapping RAM region %s ahead of use stopped: %s",
-                                region.path, os.strerror(error))
-                elif job is not None:
-                    job[1] = done + n
-                self._changed.notify_all()
+            error = errno.EFAULT                # should madvise raise
+            try:
+                error = self._madvise(address, n)
+            finally:                            # never leave _busy set: close() waits on it
+                with self._changed:
+                    self._busy = None
+                    job = self._jobs.get(key)
+                    if job is not None and error:
+                        job[1] = job[2] = _page_up(region.nbytes)     # given up on: never asked again
+                        log.warning("hybridkv: mapping RAM region %s ahead of use stopped: %s",
+                                    region.path, os.strerror(error))
+                    elif job is not None:
+                        job[1] = done + n
+                    self._changed.notify_all()
+            del region
 
     def forget_after_fork(self) -> None:
         """A forked child has no thread and maps its inherited regions on its own account."""
@@ -178,6 +205,7 @@ class _Populator:
 
 
 POPULATOR = _Populator()
+_SERIALS = itertools.count()
 os.register_at_fork(after_in_child=POPULATOR.forget_after_fork)
 
 
@@ -192,6 +220,7 @@ class SharedRegion:
         self._unlinker = None
         self._unpin: Callable[[], None] | None = None
         self._pinned = False               # a pin hook ran: every page is mapped
+        self._serial = next(_SERIALS)      # names the region to the page-mapping thread
         if owner:
             self.take_ownership()
 
