@@ -26,7 +26,7 @@ import numpy as np
 from hybridkv.config import CacheConfig
 from hybridkv.core.errors import HybridKVError
 from hybridkv.core.layout import Layout
-from hybridkv.core.planner import Plan, plan_pools
+from hybridkv.core.planner import Plan, default_reference_tokens, plan_pools
 from hybridkv.promotion import Load, Promotion, Promotions, TierCounters
 from hybridkv.ram.grouped_pools import GroupedPools
 from hybridkv.ram.policies import EvictionPolicy
@@ -116,7 +116,7 @@ class TieredCache:
                  pin_hook: PinHook | None = None, pageless: bool = False,
                  eviction: Callable[[int, int], EvictionPolicy] | None = None):
         self.layout, self.config = layout, config
-        reference = config.reference_tokens or layout.max_model_len or 64 * layout.block_tokens
+        reference = config.reference_tokens or default_reference_tokens(layout)
         self.plan = plan or plan_pools(layout, config.ram_bytes, config.retention, reference,
                                        config.engine_block_tokens, config.tail_states)
         self.pools = GroupedPools(self.plan.slots_per_group(), eviction or config.eviction)

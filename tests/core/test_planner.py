@@ -3,7 +3,7 @@ import pytest
 from hybridkv.config import load_layout
 from hybridkv.core.errors import HybridKVError
 from hybridkv.core.layout import layout_from_dict
-from hybridkv.core.planner import plan_pools
+from hybridkv.core.planner import plan_pools, unset_reference_warning
 
 from helpers import LAYOUTS
 from helpers.cli import assert_one_line_error, cli
@@ -112,3 +112,15 @@ def test_cli_bad_layout_file(tmp_path):
     bad.write_text('{"model": "m", "block_tokens": 64, "groups": [{"id": 0, "kind": "mamba", "page_bytes": 1}]}')
     assert_one_line_error(cli("plan", "--layout", bad, "--budget", "1GiB"), "groups[0].kind")
     assert_one_line_error(cli("plan", "--budget", "1GiB"), "--layout")
+
+
+def test_a_server_not_told_the_prompt_length_is_warned_only_where_states_are_cached():
+    """Sized for the model's maximum, the state pools hold states for a few requests where
+    prompts are short: a server says so once at start, with the setting that fixes it."""
+    hybrid = load_layout(LAYOUTS / "seed-flash-next.json")
+    warning = unset_reference_warning(hybrid, None)
+    assert f"sized for {hybrid.max_model_len}-token prompts" in warning and "Set it to your mean" in warning
+    assert unset_reference_warning(hybrid, 8192) is None
+    attention_only = layout_from_dict({"model": "kv", "block_tokens": 16, "max_model_len": 4096,
+                                       "groups": [{"id": 0, "kind": "attention", "page_bytes": 4096}]})
+    assert unset_reference_warning(attention_only, None) is None

@@ -99,10 +99,12 @@ def main() -> None:
             region.run_pin_hook(hook)
             region.close()
             return
-        elif cmd == "region-mapped":        # attach, let the pages map, report what is mapped
+        elif cmd == "region-mapped":        # attach: mapped before and after slot 0 is in use
             region = SharedRegion.attach(target, int(sys.argv[3]), int(sys.argv[4]))
+            before = mapped_bytes(target)
+            region.map_ahead(1)
             assert POPULATOR.wait(region, 60)
-            print(mapped_bytes(target), int(region.array.sum()), flush=True)
+            print(before, mapped_bytes(target), int(region.array.sum()), flush=True)
             region.close()
             return
         else:

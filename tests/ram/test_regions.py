@@ -71,17 +71,22 @@ def small_window(monkeypatch):
 
 def test_region_pages_are_mapped_ahead_of_use_by_creator_and_attacher(tmp_path):
     """A store's first copy into a slot must not pay a page fault per 4 KiB on the engine's
-    step: every process mapping a region maps the first slots in the background, writing nothing."""
+    step: once a slot is in use, every process mapping the region maps the next ones in the
+    background, writing nothing. Before that nothing is mapped: it would compete with the
+    first requests."""
     path = tmp_path / "hybridkv-mapped"
     slots, page = 64, 65536
     region = SharedRegion.create(path, slots, page)
+    assert POPULATOR.wait(region, 60) and mapped_bytes(path) == 0
+    region.write(3, np.full(page, 5, np.uint8))         # the copy maps its own pages
+    assert mapped_bytes(path) == page
+    region.map_ahead(4)
     assert POPULATOR.wait(region, 60)
     assert mapped_bytes(path) == slots * page
-    region.write(3, np.full(page, 5, np.uint8))
     out = worker("region-mapped", path, slots, page)
     assert out.returncode == 0, out.stderr
-    mapped, total = map(int, out.stdout.split())
-    assert mapped == slots * page
+    before, after, total = map(int, out.stdout.split())
+    assert (before, after) == (0, slots * page)
     assert total == 5 * page                   # mapping the pages changed no byte
     assert int(region.array.sum()) == 5 * page
     region.close()
@@ -91,16 +96,17 @@ def test_a_region_maps_the_slots_in_use_and_a_window_beyond_not_all_of_it(tmp_pa
     """Mapping a large region whole would cost every process a core for seconds at start;
     mapping a sliver more at every step would wake a thread at every step."""
     path, page, window = tmp_path / "hybridkv-window", 65536, small_window
-    slots = 5 * window // page
+    slots = 6 * window // page
     region = SharedRegion.create(path, slots, page)
+    region.map_ahead(1)
     assert POPULATOR.wait(region, 60)
-    assert mapped_bytes(path) == 2 * window               # the first slots a pool hands out
+    assert mapped_bytes(path) == page + 2 * window        # the slot in use, two windows beyond
     region.map_ahead(window // page)                       # still a window ahead: nothing to do
     assert POPULATOR.wait(region, 60)
-    assert mapped_bytes(path) == 2 * window
-    region.map_ahead(2 * window // page)                   # less than a window ahead: two more
+    assert mapped_bytes(path) == page + 2 * window
+    region.map_ahead(2 * window // page)                   # less than a window ahead: on to two
     assert POPULATOR.wait(region, 60)
-    assert mapped_bytes(path) == 4 * window
+    assert mapped_bytes(path) == 4 * window               # needed 3 windows: mapped to 4
     region.map_ahead(slots)
     assert POPULATOR.wait(region, 60)
     assert mapped_bytes(path) == slots * page              # never past the end
@@ -113,7 +119,7 @@ def test_pages_of_any_size_map_in_whole_memory_pages(tmp_path, small_window):
     path, page = tmp_path / "hybridkv-odd", 41060
     slots = 6 * small_window // page
     region = SharedRegion.create(path, slots, page)
-    for used in (0, small_window // page + 1, 3 * small_window // page, slots):
+    for used in (1, small_window // page + 1, 3 * small_window // page, slots):
         region.map_ahead(used)
         assert POPULATOR.wait(region, 60)
         assert mapped_bytes(path) >= min(slots * page, used * page + small_window)
@@ -126,6 +132,7 @@ def test_a_region_nobody_closes_is_still_collected_and_removed(tmp_path):
     """The page-mapping thread must not keep a forgotten region, and its file, alive."""
     path = tmp_path / "hybridkv-forgotten"
     region = SharedRegion.create(path, 64, 65536)
+    region.map_ahead(1)
     assert POPULATOR.wait(region, 60)
     del region
     gc.collect()
@@ -138,6 +145,7 @@ def test_closing_a_region_while_its_pages_map_stops_the_mapping(tmp_path, caplog
     with caplog.at_level(logging.WARNING, logger="hybridkv.ram.regions"):
         big.close()                             # waits for the chunk in progress, then unmaps
         after = SharedRegion.create(tmp_path / "hybridkv-after", 16, 65536)
+        after.map_ahead(1)
         assert POPULATOR.wait(after, 60)        # the thread serves regions made later
     assert POPULATOR.mapped(big) is None        # forgotten, not mapped into a closed mapping
     assert not (tmp_path / "hybridkv-big").exists()

@@ -57,6 +57,24 @@ class Plan:
         }
 
 
+def default_reference_tokens(layout: Layout) -> int:
+    """The prompt length pools are sized for when ``reference_tokens`` is not set: the model's
+    maximum. Safe for KV, but where traffic is shorter it sizes the state pools for far fewer
+    requests than the KV pages hold, and states are evicted before they are reused."""
+    return layout.max_model_len or 64 * layout.block_tokens
+
+
+def unset_reference_warning(layout: Layout, reference_tokens: int | None) -> str | None:
+    """What a server should say at start when its state pools are sized for the longest
+    prompts because nobody said how long prompts are; None when there is nothing to say."""
+    if reference_tokens is not None or not any(g.kind is GroupKind.STATE for g in layout.cacheable_groups):
+        return None
+    return (f"reference_tokens is not set, so the state pools are sized for {default_reference_tokens(layout)}"
+            "-token prompts; with shorter prompts states are evicted before reuse (replays lost up to 4/5 "
+            "of their hits). Set it to your mean prompt length; `hybridkv simulate --trace` measures the "
+            "difference")
+
+
 def state_slots(token_slots: int, block_tokens: int, reference_tokens: int,
                 retention: Retention) -> int:
     if retention.dense:

@@ -6,10 +6,10 @@ as it lives; the kernel drops the lock when the owner dies, however it dies, so 
 removes the regions of killed owners and never a live owner's. A lock, unlike a PID, means
 the same thing in every container that shares the directory.
 
-Every process that maps a region maps its pages ahead of use, on a thread of its own
-(``map_ahead``): the first write into a freshly mapped 4 KiB page costs a page fault, and a
-store copying into never-touched slots ran at 3 GB/s instead of 19 GB/s, on the engine's
-step. A CUDA pin hook maps every page already when it registers the region.
+Every process that maps a region maps the pages of the slots in use and a window beyond them
+on a thread of its own (``map_ahead``): the first write into a freshly mapped 4 KiB page costs
+a page fault, and a store copying into never-touched slots ran at 3 GB/s instead of 19 GB/s,
+on the engine's step. A CUDA pin hook maps every page already when it registers the region.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import contextlib
 import ctypes
 import errno
 import fcntl
-import itertools
 import json
 import logging
 import mmap
@@ -99,8 +98,9 @@ class _Populator:
     def __init__(self):
         self._libc = ctypes.CDLL(None, use_errno=True)
         self._changed = threading.Condition()
-        self._jobs: dict[int, list] = {}    # serial -> [weakref to the region, bytes mapped, to map]
-        self._busy: int | None = None       # the job madvise is working on now
+        # region -> [bytes mapped, bytes to map]; weak, so a region nobody closes is collected
+        self._jobs: weakref.WeakKeyDictionary[SharedRegion, list[int]] = weakref.WeakKeyDictionary()
+        self._busy: SharedRegion | None = None    # the region madvise is working on now
         self._thread: threading.Thread | None = None
         self.unsupported: str | None = None      # why the kernel cannot, once probed
         self._probed = False
@@ -119,7 +119,7 @@ class _Populator:
             page.close()
             if error:
                 self.unsupported = os.strerror(error)
-                log.info("hybridkv: RAM pages fault in as first used (madvise: %s)", self.unsupported)
+                log.info("RAM pages fault in as first used (madvise: %s)", self.unsupported)
         return self.unsupported is None
 
     def map_to(self, region: SharedRegion, needed: int, then: int) -> None:
@@ -129,10 +129,10 @@ class _Populator:
         with self._changed:
             if not self._probe():
                 return
-            job = self._jobs.setdefault(region._serial, [weakref.ref(region), 0, 0])
-            if needed <= job[2]:
+            job = self._jobs.setdefault(region, [0, 0])
+            if needed <= job[1]:
                 return
-            job[2] = min(_page_up(then), _page_up(region.nbytes))
+            job[1] = min(_page_up(then), _page_up(region.nbytes))
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="hybridkv-map-pages", daemon=True)
                 self._thread.start()
@@ -141,36 +141,32 @@ class _Populator:
     def mapped(self, region: SharedRegion) -> int | None:
         """Bytes of the region mapped so far; None if it is not (or no longer) known here."""
         with self._changed:
-            job = self._jobs.get(region._serial)
-            return None if job is None else job[1]
+            job = self._jobs.get(region)
+            return None if job is None else job[0]
 
     def wait(self, region: SharedRegion, timeout: float) -> bool:
         """Wait until what the region asked for is mapped (or given up on); False on timeout."""
         def done() -> bool:
-            job = self._jobs.get(region._serial)
-            return job is None or job[1] >= job[2]
+            job = self._jobs.get(region)
+            return job is None or job[0] >= job[1]
         with self._changed:
             return self._changed.wait_for(done, timeout)
 
     def remove(self, region: SharedRegion) -> None:
         """Forget the region, waiting out a chunk in progress: the caller is about to unmap."""
         with self._changed:
-            self._jobs.pop(region._serial, None)
-            self._changed.wait_for(lambda: self._busy != region._serial)
+            self._jobs.pop(region, None)
+            self._changed.wait_for(lambda: self._busy is not region)
 
-    def _next(self) -> tuple[int, SharedRegion, int, int] | None:
-        """The next chunk: the least mapped region's (under the lock; drops dead regions)."""
-        while True:
-            pending = [k for k, (_, done, target) in self._jobs.items() if done < target]
-            if not pending:
-                return None
-            key = min(pending, key=lambda k: self._jobs[k][1])
-            ref, done, target = self._jobs[key]
-            region = ref()
-            if region is None or region.array is None:       # collected or closed
-                del self._jobs[key]
-                continue
-            return key, region, done, min(POPULATE_CHUNK, target - done)
+    def _next(self) -> tuple[SharedRegion, int, int] | None:
+        """The next chunk: the least mapped region's (under the lock; drops closed regions)."""
+        for region in [r for r, (done, target) in self._jobs.items() if done < target and r.array is None]:
+            del self._jobs[region]
+        pending = [(done, id(r), r) for r, (done, target) in self._jobs.items() if done < target]
+        if not pending:
+            return None
+        done, _, region = min(pending)
+        return region, done, min(POPULATE_CHUNK, self._jobs[region][1] - done)
 
     def _run(self) -> None:
         while True:
@@ -179,33 +175,32 @@ class _Populator:
                 while chunk is None:            # idle until a region asks for more
                     self._changed.wait()
                     chunk = self._next()
-                key, region, done, n = chunk    # held (mapped) until this chunk is done
+                region, done, n = chunk         # held (mapped) until this chunk is done
                 address = region.array.ctypes.data + done
-                self._busy = key
+                self._busy = region
             error = errno.EFAULT                # should madvise raise
             try:
                 error = self._madvise(address, n)
             finally:                            # never leave _busy set: close() waits on it
                 with self._changed:
                     self._busy = None
-                    job = self._jobs.get(key)
+                    job = self._jobs.get(region)
                     if job is not None and error:
-                        job[1] = job[2] = _page_up(region.nbytes)     # given up on: never asked again
-                        log.warning("hybridkv: mapping RAM region %s ahead of use stopped: %s",
+                        job[0] = job[1] = _page_up(region.nbytes)     # given up on: never asked again
+                        log.warning("mapping RAM region %s ahead of use stopped: %s",
                                     region.path, os.strerror(error))
                     elif job is not None:
-                        job[1] = done + n
+                        job[0] = done + n
                     self._changed.notify_all()
             del region
 
     def forget_after_fork(self) -> None:
         """A forked child has no thread and maps its inherited regions on its own account."""
         self._changed = threading.Condition()
-        self._jobs, self._busy, self._thread = {}, None, None
+        self._jobs, self._busy, self._thread = weakref.WeakKeyDictionary(), None, None
 
 
 POPULATOR = _Populator()
-_SERIALS = itertools.count()
 os.register_at_fork(after_in_child=POPULATOR.forget_after_fork)
 
 
@@ -220,7 +215,6 @@ class SharedRegion:
         self._unlinker = None
         self._unpin: Callable[[], None] | None = None
         self._pinned = False               # a pin hook ran: every page is mapped
-        self._serial = next(_SERIALS)      # names the region to the page-mapping thread
         if owner:
             self.take_ownership()
 
@@ -257,7 +251,8 @@ class SharedRegion:
                     f"RAM region {path} needs {size} B that {path.parent} cannot provide "
                     f"({e.strerror}); lower ram_bytes or point ram_dir at a larger tmpfs") from None
             region = cls(path, slots, page_bytes, fd, owner=True)
-            region.map_pages(pin_hook, rank)
+            if pin_hook is not None:
+                region.run_pin_hook(pin_hook, rank)
             return region
         except BaseException:
             if region is not None:
@@ -286,11 +281,12 @@ class SharedRegion:
                 "the processes disagree on the layout or budget"
             )
         region = cls(path, slots, page_bytes, fd, owner=False)
-        try:
-            region.map_pages(pin_hook, rank)
-        except BaseException:
-            region.close()
-            raise
+        if pin_hook is not None:
+            try:
+                region.run_pin_hook(pin_hook, rank)
+            except BaseException:
+                region.close()
+                raise
         return region
 
     def take_ownership(self) -> None:
@@ -299,17 +295,12 @@ class SharedRegion:
         if self._unlinker is None:
             self._unlinker = weakref.finalize(self, _unlink_region, self.path, _hold_lease(self.path))
 
-    def map_pages(self, pin_hook: PinHook | None, rank: int = 0) -> None:
-        """Pin the region (which maps every page) or start mapping its pages in the background."""
-        if pin_hook is not None:
-            self.run_pin_hook(pin_hook, rank)
-        else:
-            self.map_ahead(0)
-
     def map_ahead(self, slots_used: int) -> None:
         """Slots below ``slots_used`` are in use: have them and at least a window beyond mapped
-        in this process, in the background (a pinned region is mapped whole already)."""
-        if not self._pinned and self._map is not None:      # not pinned, not closed
+        in this process, in the background (a pinned region is mapped whole already). Nothing
+        is mapped before a slot is used: at start the mapping would compete with the first
+        requests (a restore right after a start ran 1.5x slower)."""
+        if slots_used > 0 and not self._pinned and self._map is not None:   # used, not pinned, open
             ahead = max(MAP_AHEAD_BYTES, self.page_bytes)
             needed = slots_used * self.page_bytes + ahead
             POPULATOR.map_to(self, min(self.nbytes, needed), min(self.nbytes, needed + ahead))

@@ -4,7 +4,9 @@ The attention-only ceiling at equal bytes replays the trace with state pages cos
 (all bytes go to attention pages and every boundary has a state): no state policy can do
 better at that budget. The unlimited ceiling is what the trace's repeated prefixes allow at
 all. Marconi's weight between recency and FLOPs saved is tuned per budget on the first part
-of the trace, as its paper bootstraps it.
+of the trace, as its paper bootstraps it. The recommended policy also runs with its pools
+sized as a cache with no ``reference_tokens`` sizes them (for prompts of the model's maximum
+length): what the setting is worth on this trace.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 from hybridkv.core.layout import Layout
-from hybridkv.core.planner import plan_pools
+from hybridkv.core.planner import default_reference_tokens, plan_pools
 from hybridkv.tools.simulator import RECOMMENDED, Policy, SimResult, policy, replay
 
 DEFAULT_POLICIES = ("dense", "vllm-align", "semantic", "semantic-tail", "periodic-4096", "periodic-16384",
@@ -35,6 +37,8 @@ class Comparison:
     ceiling: list[SimResult]                # attention-only at equal bytes
     share_ceiling: list[SimResult]          # attention-only at the recommended plan's KV bytes
     attention_share: list[float]            # of each budget, the recommended plan's KV pages
+    at_default_reference: list[SimResult]   # the recommended policy, pools sized without reference_tokens
+    default_reference: int                  # what they are sized for then
     recommended: str = RECOMMENDED
 
     @property
@@ -68,6 +72,8 @@ class Comparison:
             "ceiling_at_recommended_attention_bytes": [r.token_hit_rate for r in self.share_ceiling],
             "recommended": self.recommended, "best": self.best(),
             "learned_state_align": [r.state_align_tokens for r in self.results[self.recommended]],
+            "default_reference_tokens": self.default_reference,
+            "recommended_at_default_reference": [r.token_hit_rate for r in self.at_default_reference],
             "requests": self.ceiling[0].requests, "prompt_tokens": self.ceiling[0].prompt_tokens,
         }
 
@@ -92,19 +98,22 @@ def compare(layout: Layout, prompts: Sequence[np.ndarray], budgets: Sequence[int
     token_bytes = sum(g.page_bytes for g in layout.cacheable_groups if g.is_token_group)
     shares = [plan_pools(layout, b, rec.retention, reference_tokens, None, rec.tail).token_slots * token_bytes
               for b in budgets]
+    default_reference = default_reference_tokens(layout)
     runs = [(name, b) for name in names for b in budgets]
-    runs += [("ceiling", b) for b in budgets] + [("share", b) for b in shares]
-    results: dict[str, list[SimResult]] = {name: [] for name in [*names, "ceiling", "share"]}
+    runs += [(kind, b) for kind in ("ceiling", "unset") for b in budgets] + [("share", b) for b in shares]
+    results: dict[str, list[SimResult]] = {name: [] for name in [*names, "ceiling", "share", "unset"]}
     for name, budget in tqdm(runs, desc=workload or "compare", unit="run", disable=not progress):
+        reference = default_reference if name == "unset" else reference_tokens
         if name in ("ceiling", "share"):
             pol = Policy("attention-only ceiling", states=False)
         elif name == "marconi":
             pol = _tuned_marconi(layout, prompts, budget, reference_tokens)
         else:
-            pol = policy(name)
-        results[name].append(replay(layout, prompts, budget, pol, workload, reference_tokens, progress=progress))
-    ceiling, share = results.pop("ceiling"), results.pop("share")
-    return Comparison(workload, list(budgets), results, ceiling, share, [s / b for s, b in zip(shares, budgets, strict=True)])
+            pol = policy(RECOMMENDED if name == "unset" else name)
+        results[name].append(replay(layout, prompts, budget, pol, workload, reference, progress=progress))
+    ceiling, share, unset = results.pop("ceiling"), results.pop("share"), results.pop("unset")
+    return Comparison(workload, list(budgets), results, ceiling, share,
+                      [s / b for s, b in zip(shares, budgets, strict=True)], unset, default_reference)
 
 
 def _gib(b: int) -> str:
@@ -133,6 +142,10 @@ def table(c: dict) -> str:
         f"{r / top:.2f}x" if top else "-" for r, top in zip(rec, ceiling, strict=True)) + " | | |")
     lines.append(f"| {c['recommended']} / ceiling at its KV bytes | " + " | ".join(
         f"{r / top:.2f}x" if top else "-" for r, top in zip(rec, share, strict=True)) + " | | |")
+    if "recommended_at_default_reference" in c:
+        lines.append(f"| {c['recommended']}, pools sized for {c['default_reference_tokens']:,}-token prompts "
+                     "(`reference_tokens` unset) | " + " | ".join(
+                         f"{r:.1%}" for r in c["recommended_at_default_reference"]) + " | | |")
     if "learned_state_align" in c:
         lines.append(f"| {c['recommended']}: prompt states at multiples of (tokens) | "
                      + " | ".join(f"{a:,}" for a in c["learned_state_align"]) + " | | |")

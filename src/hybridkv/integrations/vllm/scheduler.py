@@ -32,6 +32,7 @@ from pathlib import Path
 from hybridkv.cache import TieredCache
 from hybridkv.connector import Connector, PageKind, RequestState
 from hybridkv.core.errors import HybridKVError
+from hybridkv.core.planner import unset_reference_warning
 from hybridkv.integrations.vllm.layout import (
     async_promotion,
     cache_config_from_extra,
@@ -121,6 +122,8 @@ class SchedulerSide:
                 "serve a local checkpoint directory, or leave out store and remote (RAM only)")
         self.async_promotion = async_promotion(extra, vllm_config)     # refused before any region exists
         self.within_step = load_within_step(extra, kv_cache_config)
+        if (warning := unset_reference_warning(self.layout, config.reference_tokens)) is not None:
+            log.warning("hybridkv: %s", warning)
         self.cache = TieredCache(self.layout, config)
         self.connector = Connector(self.cache)
         self.stats = SchedulerStats()
