@@ -70,8 +70,8 @@ def unset_reference_warning(layout: Layout, reference_tokens: int | None) -> str
     if reference_tokens is not None or not any(g.kind is GroupKind.STATE for g in layout.cacheable_groups):
         return None
     return (f"reference_tokens is not set, so the state pools are sized for {default_reference_tokens(layout)}"
-            "-token prompts; with shorter prompts states are evicted before reuse (replays lost up to 4/5 "
-            "of their hits). Set it to your mean prompt length; `hybridkv simulate --trace` measures the "
+            "-token prompts; with shorter prompts states are evicted before reuse (replays of chat and agent "
+            "traces lost up to all of their hits). Set it to your mean prompt length; `hybridkv simulate --trace` measures the "
             "difference")
 
 

@@ -20,14 +20,16 @@ from hybridkv.tools.bench_common import GB, MiB, gbps, median, page_layout
 
 
 def _first_copy_gbps(path: Path, src: np.ndarray, ahead: bool) -> float:
-    """GB/s of the first copy into every slot of a region just made: the pages mapped ahead
-    (``SharedRegion``, waited for) or faulting in as the copy touches them (a plain mapping
-    of the same kind of file, as the region was before it mapped ahead)."""
+    """GB/s of the first copy into every slot of a region just made: its slots mapped ahead,
+    as the window has them before the stores reach them (``SharedRegion.map_ahead``, waited
+    for), or faulting in as the copy touches them (a plain mapping of the same kind of file,
+    as the region was before it mapped ahead)."""
     from hybridkv.ram.regions import POPULATOR, SharedRegion
 
     pages, page_bytes = src.shape
     if ahead:
         region = SharedRegion.create(path, pages, page_bytes)
+        region.map_ahead(pages)
         POPULATOR.wait(region, 60)
         dest, close = region.array, region.close
     else:
