@@ -117,6 +117,29 @@ def test_each_step_maps_ahead_the_slots_the_pools_handed_out(tmp_path, monkeypat
         cache.complete_store(plans, ok=False)
 
 
+def test_replan_waits_until_nothing_in_ram_is_in_use_then_swaps_the_regions(tmp_path):
+    """New pools and regions for another prompt length; the old files go, the disk keeps what
+    was written through, and nothing changes while a page is pinned or being written."""
+    config = CacheConfig(block_tokens=16, ram_bytes=1024**2, ram_dir=str(tmp_path), store=str(tmp_path / "s"))
+    with TieredCache(LAYOUT, config) as cache:
+        assert store_pages(cache, {0: [(key(1), page(0, 1))], 1: [(key(1), page(1, 1))]})
+        assert not cache.replan(64)                     # the write-through still pins the pages
+        cache.drain()
+        load, _ = load_now(cache, {0: [key(1)], 1: [key(1)]})
+        assert not cache.replan(64)                     # a load pins them
+        cache.release(load)
+        old = {gid: r.path for gid, r in cache.regions.items()}
+        states_before = cache.plan.slots_per_group()[1]
+        assert cache.replan(64)
+        assert cache.plan.reference_tokens == 64 and cache.plan.slots_per_group()[1] > states_before
+        assert all(not path.exists() for path in old.values())
+        assert all(r.path.exists() and r.path != old[gid] for gid, r in cache.regions.items())
+        assert cache.lookup(1, [key(1)]) == ["fs"]      # RAM dropped, the disk copy serves
+        load, views = load_now(cache, {0: [key(1)], 1: [key(1)]})
+        assert np.array_equal(views[1][0], page(1, 1))
+        cache.release(load)
+
+
 def test_regions_are_removed_at_close(tmp_path):
     config = CacheConfig(block_tokens=16, ram_bytes=1024**2, ram_dir=str(tmp_path))
     cache = TieredCache(LAYOUT, config)

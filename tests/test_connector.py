@@ -8,7 +8,7 @@ import pytest
 
 from hybridkv.cache import TieredCache, store_pages
 from hybridkv.config import CacheConfig
-from hybridkv.connector import Connector, StateLookup
+from hybridkv.connector import Connector, ReferenceLearner, StateLookup
 
 from helpers.tier_worker import LAYOUT, flip_payload_byte, load_now, page
 
@@ -440,3 +440,40 @@ def test_a_given_state_alignment_is_not_relearned(tmp_path):
         for i in range(70):
             _serve(conn, f"r{i}", tokens(3 * B + 1, 7)[: B * (1 + i % 3) + 1] + tokens(2 * B, 200 + i))
         assert conn.retention.align == 2 * B and conn.stats["state_align_tokens"] == 2 * B
+
+
+def test_reference_learner_looks_early_then_less_often_and_only_asks_when_far_off():
+    learner = ReferenceLearner(B)
+    asked = [learner.observe(10 * B, 100 * B) for _ in range(ReferenceLearner.FIRST)]
+    assert asked[:-1] == [None] * (ReferenceLearner.FIRST - 1) and asked[-1] == 10 * B
+    learner.replanned()                               # next look after as many prompts again
+    assert learner.next_look == 2 * ReferenceLearner.FIRST
+    near = [learner.observe(12 * B, 10 * B) for _ in range(ReferenceLearner.FIRST)]
+    assert near == [None] * ReferenceLearner.FIRST    # mean 11 blocks vs 10 planned: close enough
+    assert learner.next_look == 4 * ReferenceLearner.FIRST
+
+
+def test_ram_is_replanned_for_the_traffic_when_no_reference_was_given(tmp_path):
+    """Unset, RAM is split for the model's longest prompts; once the traffic shows much
+    shorter ones, the cache re-plans for them (more state slots), and a hit works after."""
+    ram_only = CacheConfig(block_tokens=B, ram_bytes=1024**2, ram_dir=str(tmp_path))
+    with TieredCache(LAYOUT, ram_only) as cache:
+        conn = Connector(cache)
+        assert cache.plan.reference_tokens == LAYOUT.max_model_len
+        before = cache.plan.slots_per_group()[1]
+        prompt = tokens(4 * B + 1, 1)
+        for i in range(ReferenceLearner.FIRST):
+            _serve(conn, f"r{i}", prompt[: 4 * B] + tokens(B + 1, 100 + i))
+        assert conn.stats["replans"] == 1 and cache.plan.reference_tokens == 5 * B
+        assert conn.stats["reference_tokens"] == 5 * B
+        assert cache.plan.slots_per_group()[1] > before
+        _serve(conn, "again", prompt)
+        req = conn.begin("hit", prompt)               # served from RAM's new regions
+        assert req.hit_tokens == 4 * B
+        conn.finish(req)
+    config = CacheConfig(block_tokens=B, ram_bytes=1024**2, ram_dir=str(tmp_path), reference_tokens=2 * B)
+    with TieredCache(LAYOUT, config) as cache:
+        conn = Connector(cache)
+        for i in range(ReferenceLearner.FIRST):
+            _serve(conn, f"r{i}", tokens(5 * B + 1, 100 + i))
+        assert conn.reference is None and conn.stats["replans"] == 0 and cache.plan.reference_tokens == 2 * B

@@ -61,6 +61,7 @@ class PageCache(Protocol):
 
     layout: Layout
     config: CacheConfig
+    plan: Plan                                             # how RAM is split between groups
     regions: Mapping[int, SharedRegion | PagelessRegion]   # a worker process maps them by path
 
     @property
@@ -83,6 +84,7 @@ class PageCache(Protocol):
     def drain(self) -> None: ...
     def wait_written(self, timeout: float) -> bool: ...
     def forget_ram(self) -> int: ...
+    def replan(self, reference_tokens: int) -> bool: ...
     def stats(self) -> dict: ...
     def close(self) -> None: ...
 
@@ -125,15 +127,12 @@ class TieredCache:
         self.counters: dict[str, TierCounters] = {RAM: TierCounters()}
         self._writes: list[_WriteThrough] = []
         self.promotions = Promotions(self.pools, self.regions, self.counters, self.secondaries)
+        self._pin_hook, self._pageless = pin_hook, pageless
         try:
             # the tiers first: a store's start-up scan then runs while RAM is allocated
             # (20 ms for 64 MiB), not while the first request waits for it
             self.secondaries += secondaries if secondaries is not None else open_tiers(layout, config)
-            if pageless:
-                self.regions.update({gid: PagelessRegion(slots, layout.group(gid).page_bytes)
-                                     for gid, slots in self.plan.slots_per_group().items()})
-            else:
-                self._open_regions(pin_hook)
+            self._open_regions()
             for tier in self.secondaries:
                 self.counters[tier.name] = TierCounters()
                 if not pageless:  # a restart's first request finds what the store holds
@@ -147,7 +146,11 @@ class TieredCache:
         """RAM first, then the secondary tiers in lookup order (the values of ``lookup``)."""
         return list(self.counters)
 
-    def _open_regions(self, pin_hook: PinHook | None) -> None:
+    def _open_regions(self) -> None:
+        if self._pageless:
+            self.regions.update({gid: PagelessRegion(slots, self.layout.group(gid).page_bytes)
+                                 for gid, slots in self.plan.slots_per_group().items()})
+            return
         directory = Path(self.config.ram_dir)
         if not directory.is_dir():
             raise HybridKVError(f"ram_dir {directory} does not exist; create it or choose another")
@@ -156,7 +159,27 @@ class TieredCache:
         for gid, slots in self.plan.slots_per_group().items():
             page = self.layout.group(gid).page_bytes
             self.regions[gid] = SharedRegion.create(directory / f"hybridkv-{tag}-g{gid}", slots, page,
-                                                    pin_hook, self.layout.tp_rank)
+                                                    self._pin_hook, self.layout.tp_rank)
+
+    def replan(self, reference_tokens: int) -> bool:
+        """Size the RAM pools for prompts of ``reference_tokens`` instead: new regions, new
+        pools, the RAM pages dropped (a secondary tier keeps what was written through). Only
+        while no RAM page is pinned, being written or read into, and no write-through is
+        pending; False (nothing changed) otherwise, to be asked again later."""
+        if self._writes or self.promotions.in_flight() or not self.pools.idle():
+            return False
+        try:
+            plan = plan_pools(self.layout, self.config.ram_bytes, self.config.retention, reference_tokens,
+                              self.config.engine_block_tokens, self.config.tail_states)
+        except HybridKVError:
+            return False
+        for region in self.regions.values():
+            region.close()
+        self.regions.clear()
+        self.plan = plan
+        self.pools.resize(plan.slots_per_group())
+        self._open_regions()
+        return True
 
     # -- requests ---------------------------------------------------------------------------
     def request_started(self, request: str) -> None:

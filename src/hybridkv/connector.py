@@ -99,6 +99,40 @@ class StateLookup:
         return self.where[block] is not None
 
 
+class ReferenceLearner:
+    """The traffic's mean prompt length, for a cache whose pools were sized without one
+    (``reference_tokens`` unset: for the model's longest prompts, which leaves the state pools
+    far too small where prompts are shorter). After ``FIRST`` finished prompts, then twice as
+    many each time up to every ``EVERY``, it compares the mean so far with what the pools are
+    planned for; more than ``FACTOR`` apart either way, it names the length to re-plan for
+    (each re-plan drops the RAM pages, so early and rarely)."""
+
+    FIRST = 32
+    EVERY = 256
+    FACTOR = 1.5
+
+    def __init__(self, block_tokens: int):
+        self.B = block_tokens
+        self.prompts = self.tokens = 0
+        self.next_look = self.FIRST
+
+    def observe(self, n_tokens: int, planned: int) -> int | None:
+        """Count a finished prompt; the length to re-plan for when it is time and far enough."""
+        self.prompts += 1
+        self.tokens += n_tokens
+        if self.prompts < self.next_look:
+            return None
+        mean = max(self.B, self.tokens // self.prompts // self.B * self.B)
+        if max(mean / planned, planned / mean) <= self.FACTOR:
+            self.replanned()
+            return None
+        return mean
+
+    def replanned(self) -> None:
+        """Looked (and re-planned if it had to): the next look is later."""
+        self.next_look = self.prompts + min(self.prompts, self.EVERY)
+
+
 class Connector:
     MAX_LOAD_ATTEMPTS = 3
 
@@ -119,7 +153,11 @@ class Connector:
         self.state_groups = [g.id for g in self.groups if g.kind is GroupKind.STATE]
         self.stats = {"requests": 0, "hit_tokens": 0, "prompt_tokens": 0, "offers_retried": 0,
                       "offers_dropped": 0, "pages_stored": 0, "offers_pending": 0,
-                      "state_align_tokens": self.B}
+                      "state_align_tokens": self.B, "replans": 0,
+                      "reference_tokens": cache.plan.reference_tokens}
+        # reference_tokens unset: learn the prompt length the split between KV and states needs
+        self.reference = (ReferenceLearner(self.B) if config.reference_tokens is None and self.state_groups
+                          else None)
         if config.state_align and retention is None:
             self._realign(config.state_align)
         self._epoch = b""          # enters every key; a new one when the weights change
@@ -390,3 +428,17 @@ class Connector:
             req.pending.clear()
         self.release(req)
         self.cache.request_finished(req.request_id)
+        if self.reference is not None:
+            self._learn_reference(req)
+
+    def _learn_reference(self, req: RequestState) -> None:
+        """Re-plan the RAM pools for the traffic's mean prompt once it is known and far from the
+        planned one (at the first moment no RAM page is in use; the RAM pages are dropped)."""
+        want = self.reference.observe(req.n_tokens, self.cache.plan.reference_tokens)
+        if want is None or not self.cache.replan(want):
+            return
+        self.reference.replanned()
+        self.stats["replans"] += 1
+        self.stats["reference_tokens"] = want
+        log.info("RAM pools re-planned for %d-token prompts, the mean of the %d so far (reference_tokens "
+                 "is not set); the pages RAM held were dropped", want, self.reference.prompts)

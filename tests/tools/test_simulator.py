@@ -153,11 +153,12 @@ def test_compare_runs_every_policy_under_the_unlimited_ceiling(tmp_path):
     assert out["ceiling_equal_bytes"][-1] > 0 and len(out["best"]) == 3
     assert all(0 < s < 1 for s in out["recommended_attention_share"])
     assert len(out["ceiling_at_recommended_attention_bytes"]) == 3
-    # a cache not told the prompt length sizes its state pools for the model's maximum (1M here)
+    # a cache not told the prompt length plans for the model's maximum (1M here), then learns
     assert out["default_reference_tokens"] == 1 << 20
-    unset, rec = out["recommended_at_default_reference"], out["policies"]["semantic-aligned"]["token_hit_rate"]
-    assert len(unset) == 3 and unset[0] < rec[0]
-    assert "pools sized for 1,048,576-token prompts (`reference_tokens` unset) |" in table(out)
+    assert len(out["recommended_at_default_reference"]) == 3
+    learned = out["learned_reference_tokens"]
+    assert all(t < 1 << 20 for t in learned)     # re-planned for the trace's prompts
+    assert f"RAM planned for 1,048,576-token prompts, re-planned for {learned[0]:,} /" in table(out)
     learned = out["learned_state_align"]      # 30 short sessions: too few points to move off a block
     assert learned == [B] * 3 and f"prompt states at multiples of (tokens) | {B} | {B} | {B} |" in table(out)
 

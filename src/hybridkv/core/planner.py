@@ -65,14 +65,14 @@ def default_reference_tokens(layout: Layout) -> int:
 
 
 def unset_reference_warning(layout: Layout, reference_tokens: int | None) -> str | None:
-    """What a server should say at start when its state pools are sized for the longest
-    prompts because nobody said how long prompts are; None when there is nothing to say."""
+    """What a server should say at start when nobody said how long prompts are: RAM is split
+    for the longest ones until the traffic has shown its mean; None when there is nothing to say."""
     if reference_tokens is not None or not any(g.kind is GroupKind.STATE for g in layout.cacheable_groups):
         return None
-    return (f"reference_tokens is not set, so the state pools are sized for {default_reference_tokens(layout)}"
-            "-token prompts; with shorter prompts states are evicted before reuse (replays of chat and agent "
-            "traces lost up to all of their hits). Set it to your mean prompt length; `hybridkv simulate --trace` measures the "
-            "difference")
+    return (f"reference_tokens is not set: RAM is split between KV and states for "
+            f"{default_reference_tokens(layout)}-token prompts (too few states for shorter ones) until the "
+            "traffic's mean prompt is known, then re-planned, dropping what RAM holds. Set it to your mean "
+            "prompt length to start right; `hybridkv simulate --trace` measures the difference")
 
 
 def state_slots(token_slots: int, block_tokens: int, reference_tokens: int,

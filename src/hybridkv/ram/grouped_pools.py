@@ -25,11 +25,22 @@ class GroupedPools:
 
     def __init__(self, slots_per_group: Mapping[int, int],
                  policy: str | Callable[[int, int], EvictionPolicy] = "lru"):
-        self.pools: dict[int, SlotPool] = {
-            gid: make_pool(gid, n, policy if isinstance(policy, str) else policy(gid, n))
-            for gid, n in slots_per_group.items()
-        }
+        self._policy = policy
+        self.pools: dict[int, SlotPool] = {}
+        self.resize(slots_per_group)
         self._request_pins: dict[str, Counter] = {}
+
+    def resize(self, slots_per_group: Mapping[int, int]) -> None:
+        """New, empty pools of these sizes (only while ``idle()``: nothing may hold a slot)."""
+        if not self.idle():
+            raise ValueError("pools cannot be resized while a slot is pinned or being written")
+        policy = self._policy
+        self.pools = {gid: make_pool(gid, n, policy if isinstance(policy, str) else policy(gid, n))
+                      for gid, n in slots_per_group.items()}
+
+    def idle(self) -> bool:
+        """No slot is pinned or being written: every resident page could be evicted now."""
+        return all(len(pool) == pool.evictable_count() for pool in self.pools.values())
 
     def pool(self, group_id: int) -> SlotPool:
         return self.pools[group_id]

@@ -4,9 +4,9 @@ The attention-only ceiling at equal bytes replays the trace with state pages cos
 (all bytes go to attention pages and every boundary has a state): no state policy can do
 better at that budget. The unlimited ceiling is what the trace's repeated prefixes allow at
 all. Marconi's weight between recency and FLOPs saved is tuned per budget on the first part
-of the trace, as its paper bootstraps it. The recommended policy also runs with its pools
-sized as a cache with no ``reference_tokens`` sizes them (for prompts of the model's maximum
-length): what the setting is worth on this trace.
+of the trace, as its paper bootstraps it. The recommended policy also runs as a cache with
+no ``reference_tokens`` plans RAM (for prompts of the model's maximum length, until it has
+learned the traffic's): what the setting is worth on this trace.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ class Comparison:
     ceiling: list[SimResult]                # attention-only at equal bytes
     share_ceiling: list[SimResult]          # attention-only at the recommended plan's KV bytes
     attention_share: list[float]            # of each budget, the recommended plan's KV pages
-    at_default_reference: list[SimResult]   # the recommended policy, pools sized without reference_tokens
-    default_reference: int                  # what they are sized for then
+    at_default_reference: list[SimResult]   # the recommended policy without reference_tokens
+    default_reference: int                  # what RAM is planned for then, until it is learned
     recommended: str = RECOMMENDED
 
     @property
@@ -74,6 +74,7 @@ class Comparison:
             "learned_state_align": [r.state_align_tokens for r in self.results[self.recommended]],
             "default_reference_tokens": self.default_reference,
             "recommended_at_default_reference": [r.token_hit_rate for r in self.at_default_reference],
+            "learned_reference_tokens": [r.reference_tokens for r in self.at_default_reference],
             "requests": self.ceiling[0].requests, "prompt_tokens": self.ceiling[0].prompt_tokens,
         }
 
@@ -103,7 +104,7 @@ def compare(layout: Layout, prompts: Sequence[np.ndarray], budgets: Sequence[int
     runs += [(kind, b) for kind in ("ceiling", "unset") for b in budgets] + [("share", b) for b in shares]
     results: dict[str, list[SimResult]] = {name: [] for name in [*names, "ceiling", "share", "unset"]}
     for name, budget in tqdm(runs, desc=workload or "compare", unit="run", disable=not progress):
-        reference = default_reference if name == "unset" else reference_tokens
+        reference = None if name == "unset" else reference_tokens
         if name in ("ceiling", "share"):
             pol = Policy("attention-only ceiling", states=False)
         elif name == "marconi":
@@ -143,8 +144,9 @@ def table(c: dict) -> str:
     lines.append(f"| {c['recommended']} / ceiling at its KV bytes | " + " | ".join(
         f"{r / top:.2f}x" if top else "-" for r, top in zip(rec, share, strict=True)) + " | | |")
     if "recommended_at_default_reference" in c:
-        lines.append(f"| {c['recommended']}, pools sized for {c['default_reference_tokens']:,}-token prompts "
-                     "(`reference_tokens` unset) | " + " | ".join(
+        learned = " / ".join(f"{t:,}" for t in c["learned_reference_tokens"])
+        lines.append(f"| {c['recommended']} without `reference_tokens` (RAM planned for "
+                     f"{c['default_reference_tokens']:,}-token prompts, re-planned for {learned}) | " + " | ".join(
                          f"{r:.1%}" for r in c["recommended_at_default_reference"]) + " | | |")
     if "learned_state_align" in c:
         lines.append(f"| {c['recommended']}: prompt states at multiples of (tokens) | "

@@ -145,6 +145,7 @@ class SimResult:
     ram_bytes_stored: int
     ram_bytes_loaded: int
     state_align_tokens: int = 0   # where prompts' own states were kept at the end (learned, or the policy's)
+    reference_tokens: int = 0     # the prompt length RAM was planned for at the end (given, or learned)
 
     @property
     def token_hit_rate(self) -> float:
@@ -172,11 +173,12 @@ def _cost_aware(layout: Layout, costs: dict[bool, dict], alpha: float) -> Callab
 
 
 def replay(layout: Layout, requests: Sequence[np.ndarray] | Iterable[np.ndarray], budget_bytes: int,
-           pol: Policy, workload: str = "", reference_tokens: int = 8192,
+           pol: Policy, workload: str = "", reference_tokens: int | None = 8192,
            connector: type[Connector] = Connector, progress: bool = False) -> SimResult:
     """Replay prompts (token id arrays) through the real ``Connector`` over a pageless
     ``TieredCache`` planned from ``budget_bytes``, offering what an engine offers at each block
-    end, and check every hit against ``PrefixTruth``."""
+    end, and check every hit against ``PrefixTruth``. ``reference_tokens=None`` plans RAM as a
+    cache not told the prompt length does (for the model's longest, then learned)."""
     if not pol.states:
         layout = attention_only(layout)
     B = layout.block_tokens
@@ -227,7 +229,8 @@ def replay(layout: Layout, requests: Sequence[np.ndarray] | Iterable[np.ndarray]
             conn.finish(req)
         ram = cache.stats()["tiers"][RAM]
         return SimResult(pol.name, workload, budget_bytes, n, prompt, saved, flops, servable, wrong,
-                         ram["bytes_in"], ram["bytes_out"], pol.align or conn.stats["state_align_tokens"])
+                         ram["bytes_in"], ram["bytes_out"], pol.align or conn.stats["state_align_tokens"],
+                         cache.plan.reference_tokens)
     finally:
         cache.close()
 

@@ -548,3 +548,35 @@ def test_the_prompts_own_state_is_asked_for_and_stored_on_the_configured_grid(tm
     # vLLM hands off the junction it was asked for and its own stop at the replay boundary
     assert ask("b", follow_up, [3 * B, 5 * B]) == (3 * B, [3 * B, 5 * B])
     side.close()
+
+
+def test_after_the_cache_replans_ram_the_worker_maps_the_new_regions_and_stores_and_loads_there(tmp_path):
+    """A cache not told the prompt length re-plans RAM once it has learned it: new regions,
+    the old ones dropped. The worker must map the new ones before its next copy, and a page
+    stored there must load back bit for bit."""
+    side = fresh_scheduler(tmp_path)
+    config, kv = vllm_objects(block=B)
+    source = worker_tensors(1)
+    worker = WorkerSide(config, kv)
+    stored_by_workers(side, [worker], [source])
+    old = {gid: worker.regions[gid].path for gid in side.cache.regions}
+    assert side.cache.replan(side.cache.plan.reference_tokens * 4)      # nothing in use: allowed
+    assert not any(path.exists() for path in old.values())
+    assert side.match(request("r"), 0) == 0            # the RAM pages went with the old regions
+    side.finish("r")
+    stored_by_workers(side, [worker], [source])        # the worker maps the new regions to store
+    assert {gid: worker.regions[gid].path for gid in side.cache.regions} == {
+        gid: r.path for gid, r in side.cache.regions.items()}
+    assert side.match(request("r"), 0) == 3 * B
+    targets = ([5, 6, 7, 8], [1, 2, 3, 4])
+    side.allocated(request("r"), targets, 3 * B)
+    plan = side.plan_step({"r": (3 * B, 3 * B + 1)}, lambda rid: targets, {})
+    empty = {k: torch.zeros_like(v) for k, v in worker_tensors(0).items()}
+    worker.register(empty)
+    worker.load(plan)
+    side.on_report(worker.take_report())
+    for s_block, d_block in zip(BLOCK_IDS[1], targets[1][:3], strict=True):
+        assert torch.equal(source["l2"][s_block].view(torch.int32), empty["l2"][d_block].view(torch.int32))
+    assert torch.equal(source["l0"][9], empty["l0"][7])
+    worker.close()
+    side.close()

@@ -129,8 +129,6 @@ class SchedulerSide:
         self.stats = SchedulerStats()
         self.stats_file = Path(extra["stats_file"]) if extra.get("stats_file") else None
         self._stats_written = float("-inf")
-        self.regions = {gid: RegionInfo(str(r.path), r.slots, r.page_bytes)
-                        for gid, r in self.cache.regions.items()}
         self._requests: dict[str, _Request] = {}
         self._loads: dict[str, list[Copy]] = {}
         self._reservations: dict[int, _Reservation] = {}
@@ -300,13 +298,17 @@ class SchedulerSide:
         return dict(ctx.state.token_sources) if ctx is not None and ctx.loaded_tokens else {}
 
     # -- stores -----------------------------------------------------------------------------
+    def _region_infos(self) -> dict[int, RegionInfo]:
+        """What a worker needs to map each region; new paths after the cache re-planned RAM."""
+        return {gid: RegionInfo(str(r.path), r.slots, r.page_bytes) for gid, r in self.cache.regions.items()}
+
     def plan_step(self, scheduled: dict[str, tuple[int, int]], block_ids_of,
                   handoffs: dict[str, list[tuple[int, int, int]]]) -> StepPlan:
         """The step's loads and stores. ``scheduled`` maps request -> (start, end) tokens,
         ``block_ids_of`` a request to its block ids per group, ``handoffs`` a request to the
         recurrent states vLLM hands off this step: (group, block id, boundary tokens)."""
         self._collect_promotions()
-        plan = StepPlan(self.regions, self._loads, {}, self._promotion_failed, self._abandoned)
+        plan = StepPlan(self._region_infos(), self._loads, {}, self._promotion_failed, self._abandoned)
         self._loads, self._promotion_failed, self._abandoned = {}, set(), set()
         if self._within:
             self._plan_loads_within_step(scheduled, block_ids_of, plan)

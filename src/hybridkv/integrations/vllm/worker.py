@@ -97,12 +97,19 @@ class WorkerSide:
                  {gid: n for gid, n in self.copier.slice_bytes.items()})
 
     def _attach(self, plan: StepPlan) -> None:
-        """Map the regions the first time a plan names them. On a GPU this registers them with
-        CUDA; a registration that fails for good (``PinningFailed``) stops the engine with one
-        line: copies from pageable memory would run at a fraction of the speed, silently."""
-        missing = [gid for gid in plan.regions if gid not in self.regions]
+        """Map the regions the first time a plan names them, and the new ones after the cache
+        re-planned RAM (the old ones unmapped once their copies are done). On a GPU this
+        registers them with CUDA; a registration that fails for good (``PinningFailed``) stops
+        the engine with one line: copies from pageable memory would run at a fraction of the
+        speed, silently."""
+        missing = [gid for gid, info in plan.regions.items()
+                   if gid not in self.regions or str(self.regions[gid].path) != info.path]
+        if any(gid in self.regions for gid in missing):     # the cache re-planned RAM: new regions
+            self.copier.synchronize()
         for gid in missing:
             info = plan.regions[gid]
+            if gid in self.regions:
+                self.regions.pop(gid).close()
             self.regions[gid] = SharedRegion.attach(info.path, info.slots, info.page_bytes,
                                                     self.copier.pin_hook, self.rank)
         if missing:
