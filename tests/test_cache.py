@@ -1,12 +1,15 @@
 """TieredCache: write-through, reservations by another process, promotion from secondary tiers."""
 
+import shutil
 import threading
 import time
 
 import numpy as np
+import pytest
 
 from hybridkv.cache import TieredCache, store_pages
 from hybridkv.config import CacheConfig
+from hybridkv.core.errors import HybridKVError
 from hybridkv.core.layout import layout_from_dict
 from hybridkv.ram import regions
 from hybridkv.ram.regions import POPULATOR, SharedRegion
@@ -117,12 +120,24 @@ def test_each_step_maps_ahead_the_slots_the_pools_handed_out(tmp_path, monkeypat
         cache.complete_store(plans, ok=False)
 
 
+def replan_when_ready(cache, reference_tokens) -> bool:
+    """Ask until the new regions are made and RAM is idle (at most 10 s)."""
+    for _ in range(1000):
+        if cache.replan(reference_tokens):
+            return True
+        time.sleep(0.01)
+    return False
+
+
 def test_replan_waits_until_nothing_in_ram_is_in_use_then_swaps_the_regions(tmp_path):
-    """New pools and regions for another prompt length; the old files go, the disk keeps what
-    was written through, and nothing changes while a page is pinned or being written."""
+    """New pools and regions for another prompt length, made off the caller's thread; the
+    old files go, the disk keeps what was written through, and nothing changes while a page
+    is pinned or being written."""
     config = CacheConfig(block_tokens=16, ram_bytes=1024**2, ram_dir=str(tmp_path), store=str(tmp_path / "s"))
     with TieredCache(LAYOUT, config) as cache:
         assert store_pages(cache, {0: [(key(1), page(0, 1))], 1: [(key(1), page(1, 1))]})
+        assert not cache.replan(64)                     # starts making the regions; pages pinned
+        time.sleep(0.5)
         assert not cache.replan(64)                     # the write-through still pins the pages
         cache.drain()
         load, _ = load_now(cache, {0: [key(1)], 1: [key(1)]})
@@ -130,13 +145,28 @@ def test_replan_waits_until_nothing_in_ram_is_in_use_then_swaps_the_regions(tmp_
         cache.release(load)
         old = {gid: r.path for gid, r in cache.regions.items()}
         states_before = cache.plan.slots_per_group()[1]
-        assert cache.replan(64)
+        assert replan_when_ready(cache, 64)
         assert cache.plan.reference_tokens == 64 and cache.plan.slots_per_group()[1] > states_before
         assert all(not path.exists() for path in old.values())
         assert all(r.path.exists() and r.path != old[gid] for gid, r in cache.regions.items())
         assert cache.lookup(1, [key(1)]) == ["fs"]      # RAM dropped, the disk copy serves
         load, views = load_now(cache, {0: [key(1)], 1: [key(1)]})
         assert np.array_equal(views[1][0], page(1, 1))
+        cache.release(load)
+
+
+def test_a_replan_whose_regions_cannot_be_made_changes_nothing(tmp_path):
+    ram = tmp_path / "ram"
+    ram.mkdir()
+    with TieredCache(LAYOUT, CacheConfig(block_tokens=16, ram_bytes=1024**2, ram_dir=str(ram))) as cache:
+        plan = cache.plan
+        shutil.rmtree(ram)                              # the new regions have nowhere to go
+        with pytest.raises(HybridKVError, match="cannot re-plan RAM: ram_dir .* does not exist"):
+            replan_when_ready(cache, 64)
+        assert cache.plan is plan                       # the old regions still serve
+        assert store_pages(cache, {0: [(key(2), page(0, 2))], 1: [(key(2), page(1, 2))]})
+        load, views = load_now(cache, {0: [key(2)], 1: [key(2)]})
+        assert np.array_equal(views[0][0], page(0, 2))
         cache.release(load)
 
 

@@ -1,6 +1,8 @@
 """Durable page offers, driven directly through the engine-neutral connector."""
 
 import logging
+import shutil
+import time
 from contextlib import contextmanager
 
 import numpy as np
@@ -443,14 +445,16 @@ def test_a_given_state_alignment_is_not_relearned(tmp_path):
 
 
 def test_reference_learner_looks_early_then_less_often_and_only_asks_when_far_off():
-    learner = ReferenceLearner(B)
-    asked = [learner.observe(10 * B, 100 * B) for _ in range(ReferenceLearner.FIRST)]
-    assert asked[:-1] == [None] * (ReferenceLearner.FIRST - 1) and asked[-1] == 10 * B
-    learner.replanned()                               # next look after as many prompts again
-    assert learner.next_look == 2 * ReferenceLearner.FIRST
-    near = [learner.observe(12 * B, 10 * B) for _ in range(ReferenceLearner.FIRST)]
-    assert near == [None] * ReferenceLearner.FIRST    # mean 11 blocks vs 10 planned: close enough
-    assert learner.next_look == 4 * ReferenceLearner.FIRST
+    learner, first = ReferenceLearner(B), ReferenceLearner.FIRST
+    asked = [learner.observe(f"r{i}", 10 * B, 100 * B) for i in range(first)]
+    assert asked[:-1] == [None] * (first - 1) and asked[-1] == 10 * B
+    assert learner.observe("r0", 10 * B, 100 * B) == 10 * B       # still wanted, r0 not counted again
+    assert learner.prompts == first
+    learner.replanned()                               # next look after as many requests again
+    assert learner.wanted is None and learner.next_look == 2 * first
+    near = [learner.observe(f"s{i}", 12 * B, 10 * B) for i in range(first)]
+    assert near == [None] * first                     # mean 11 blocks vs 10 planned: close enough
+    assert learner.next_look == 4 * first
 
 
 def test_ram_is_replanned_for_the_traffic_when_no_reference_was_given(tmp_path):
@@ -462,10 +466,13 @@ def test_ram_is_replanned_for_the_traffic_when_no_reference_was_given(tmp_path):
         assert cache.plan.reference_tokens == LAYOUT.max_model_len
         before = cache.plan.slots_per_group()[1]
         prompt = tokens(4 * B + 1, 1)
-        for i in range(ReferenceLearner.FIRST):
+        for i in range(ReferenceLearner.FIRST + 200):  # the new regions are made meanwhile
             _serve(conn, f"r{i}", prompt[: 4 * B] + tokens(B + 1, 100 + i))
+            if conn.stats["replans"]:
+                break
+            time.sleep(0.01)
         assert conn.stats["replans"] == 1 and cache.plan.reference_tokens == 5 * B
-        assert conn.stats["reference_tokens"] == 5 * B
+        assert conn.stats["reference_tokens"] == 5 * B and i + 1 >= ReferenceLearner.FIRST
         assert cache.plan.slots_per_group()[1] > before
         _serve(conn, "again", prompt)
         req = conn.begin("hit", prompt)               # served from RAM's new regions
@@ -477,3 +484,18 @@ def test_ram_is_replanned_for_the_traffic_when_no_reference_was_given(tmp_path):
         for i in range(ReferenceLearner.FIRST):
             _serve(conn, f"r{i}", tokens(5 * B + 1, 100 + i))
         assert conn.reference is None and conn.stats["replans"] == 0 and cache.plan.reference_tokens == 2 * B
+
+
+def test_a_replan_that_cannot_be_made_stops_the_learning_with_a_warning(tmp_path, caplog):
+    ram = tmp_path / "ram"
+    ram.mkdir()
+    with TieredCache(LAYOUT, CacheConfig(block_tokens=B, ram_bytes=1024**2, ram_dir=str(ram))) as cache:
+        conn = Connector(cache)
+        shutil.rmtree(ram)
+        for i in range(ReferenceLearner.FIRST + 200):
+            _serve(conn, f"r{i}", tokens(3 * B + 1, i))
+            if conn.reference is None:
+                break
+            time.sleep(0.01)
+        assert conn.reference is None and conn.stats["replans"] == 0
+        assert any("RAM stays split for 4096-token prompts" in r.getMessage() for r in caplog.records)

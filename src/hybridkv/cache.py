@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, wait
@@ -45,6 +46,35 @@ class _WriteThrough:
     group: int
     key: bytes
     futures: list[Future] = field(default_factory=list)
+
+
+class _RegionsInMaking:
+    """The regions of a new plan, made on a thread of their own (or at once: page-less ones)."""
+
+    def __init__(self, plan: Plan, make: Callable[[Plan], dict], background: bool):
+        self.plan = plan
+        self.regions: dict | None = None
+        self.error: Exception | None = None
+        self._thread = threading.Thread(target=self._make, args=(make,), name="hybridkv-replan", daemon=True)
+        if background:
+            self._thread.start()
+        else:
+            self._make(make)
+
+    def _make(self, make: Callable[[Plan], dict]) -> None:
+        try:
+            self.regions = make(self.plan)
+        except Exception as e:       # handed to the engine's thread by replan
+            self.error = e
+
+    def ready(self) -> bool:
+        return not self._thread.is_alive()
+
+    def discard(self) -> None:
+        if self._thread.ident is not None:
+            self._thread.join()
+        for region in (self.regions or {}).values():
+            region.close()
 
 
 class PageCache(Protocol):
@@ -128,11 +158,12 @@ class TieredCache:
         self._writes: list[_WriteThrough] = []
         self.promotions = Promotions(self.pools, self.regions, self.counters, self.secondaries)
         self._pin_hook, self._pageless = pin_hook, pageless
+        self._coming: _RegionsInMaking | None = None       # a re-plan's regions, being made
         try:
             # the tiers first: a store's start-up scan then runs while RAM is allocated
             # (20 ms for 64 MiB), not while the first request waits for it
             self.secondaries += secondaries if secondaries is not None else open_tiers(layout, config)
-            self._open_regions()
+            self.regions.update(self._make_regions(self.plan))
             for tier in self.secondaries:
                 self.counters[tier.name] = TierCounters()
                 if not pageless:  # a restart's first request finds what the store holds
@@ -146,39 +177,57 @@ class TieredCache:
         """RAM first, then the secondary tiers in lookup order (the values of ``lookup``)."""
         return list(self.counters)
 
-    def _open_regions(self) -> None:
+    def _make_regions(self, plan: Plan) -> dict[int, SharedRegion | PagelessRegion]:
+        """The regions of ``plan``, all or none."""
         if self._pageless:
-            self.regions.update({gid: PagelessRegion(slots, self.layout.group(gid).page_bytes)
-                                 for gid, slots in self.plan.slots_per_group().items()})
-            return
+            return {gid: PagelessRegion(slots, self.layout.group(gid).page_bytes)
+                    for gid, slots in plan.slots_per_group().items()}
         directory = Path(self.config.ram_dir)
         if not directory.is_dir():
             raise HybridKVError(f"ram_dir {directory} does not exist; create it or choose another")
         remove_stale_regions(directory)
         tag = f"{self.layout.fingerprint()[:12]}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        for gid, slots in self.plan.slots_per_group().items():
-            page = self.layout.group(gid).page_bytes
-            self.regions[gid] = SharedRegion.create(directory / f"hybridkv-{tag}-g{gid}", slots, page,
-                                                    self._pin_hook, self.layout.tp_rank)
+        made: dict[int, SharedRegion | PagelessRegion] = {}
+        try:
+            for gid, slots in plan.slots_per_group().items():
+                page = self.layout.group(gid).page_bytes
+                made[gid] = SharedRegion.create(directory / f"hybridkv-{tag}-g{gid}", slots, page,
+                                                self._pin_hook, self.layout.tp_rank)
+        except BaseException:
+            for region in made.values():
+                region.close()
+            raise
+        return made
 
     def replan(self, reference_tokens: int) -> bool:
-        """Size the RAM pools for prompts of ``reference_tokens`` instead: new regions, new
-        pools, the RAM pages dropped (a secondary tier keeps what was written through). Only
-        while no RAM page is pinned, being written or read into, and no write-through is
-        pending; False (nothing changed) otherwise, to be asked again later."""
-        if self._writes or self.promotions.in_flight() or not self.pools.idle():
-            return False
-        try:
+        """Split RAM for prompts of ``reference_tokens`` instead: new pools and regions, the RAM
+        pages dropped (a secondary tier keeps what was written through). It takes two calls at
+        least: the first starts making the new regions on a thread of its own (zeroing gigabytes
+        on the engine's thread would stall it for seconds); a later one, once they are made and
+        no RAM page is pinned, being written or read into, swaps them in and returns True. Until
+        then it returns False and changes nothing. Raises ``HybridKVError`` when the regions
+        cannot be made (e.g. too little room for old and new at once); nothing changed then."""
+        coming = self._coming
+        if coming is None or coming.plan.reference_tokens != reference_tokens:
+            if coming is not None:
+                coming.discard()
             plan = plan_pools(self.layout, self.config.ram_bytes, self.config.retention, reference_tokens,
                               self.config.engine_block_tokens, self.config.tail_states)
-        except HybridKVError:
+            self._coming = coming = _RegionsInMaking(plan, self._make_regions, background=not self._pageless)
+        if not coming.ready():
             return False
+        if coming.error is not None:
+            self._coming = None
+            raise HybridKVError(f"cannot re-plan RAM: {coming.error}") from coming.error
+        if self._writes or self.promotions.in_flight() or not self.pools.idle():
+            return False
+        self._coming = None
         for region in self.regions.values():
             region.close()
         self.regions.clear()
-        self.plan = plan
-        self.pools.resize(plan.slots_per_group())
-        self._open_regions()
+        self.regions.update(coming.regions)
+        self.plan = coming.plan
+        self.pools.resize(coming.plan.slots_per_group())
         return True
 
     # -- requests ---------------------------------------------------------------------------
@@ -431,6 +480,9 @@ class TieredCache:
 
     def close(self) -> None:
         try:
+            if self._coming is not None:
+                self._coming.discard()
+                self._coming = None
             if self.regions:
                 self.drain()
         finally:

@@ -21,6 +21,7 @@ from typing import NamedTuple
 import numpy as np
 
 from hybridkv.cache import PageCache, store_pages
+from hybridkv.core.errors import HybridKVError
 from hybridkv.core.keys import block_hashes
 from hybridkv.core.layout import GroupKind, Layout
 from hybridkv.core.retention import (
@@ -102,34 +103,43 @@ class StateLookup:
 class ReferenceLearner:
     """The traffic's mean prompt length, for a cache whose pools were sized without one
     (``reference_tokens`` unset: for the model's longest prompts, which leaves the state pools
-    far too small where prompts are shorter). After ``FIRST`` finished prompts, then twice as
-    many each time up to every ``EVERY``, it compares the mean so far with what the pools are
-    planned for; more than ``FACTOR`` apart either way, it names the length to re-plan for
-    (each re-plan drops the RAM pages, so early and rarely)."""
+    far too small where prompts are shorter). After ``FIRST`` requests, then twice as many each
+    time up to every ``EVERY``, it compares the mean so far with what the pools are planned
+    for; more than ``FACTOR`` apart either way, it wants a re-plan for the mean until told it
+    happened (each re-plan empties RAM, so early and rarely). A request counts once, however
+    often an engine looks it up or finishes it (vLLM: waiting, preempted)."""
 
     FIRST = 32
     EVERY = 256
     FACTOR = 1.5
+    REMEMBERED_IDS = 4096
 
     def __init__(self, block_tokens: int):
         self.B = block_tokens
         self.prompts = self.tokens = 0
         self.next_look = self.FIRST
+        self.wanted: int | None = None
+        self._seen: OrderedDict[str, None] = OrderedDict()
 
-    def observe(self, n_tokens: int, planned: int) -> int | None:
-        """Count a finished prompt; the length to re-plan for when it is time and far enough."""
-        self.prompts += 1
-        self.tokens += n_tokens
-        if self.prompts < self.next_look:
-            return None
-        mean = max(self.B, self.tokens // self.prompts // self.B * self.B)
-        if max(mean / planned, planned / mean) <= self.FACTOR:
-            self.replanned()
-            return None
-        return mean
+    def observe(self, request_id: str, n_tokens: int, planned: int) -> int | None:
+        """Count a finished request; the length RAM should be re-planned for, if any."""
+        if request_id not in self._seen:
+            self._seen[request_id] = None
+            if len(self._seen) > self.REMEMBERED_IDS:
+                self._seen.popitem(last=False)
+            self.prompts += 1
+            self.tokens += n_tokens
+        if self.wanted is None and self.prompts >= self.next_look:
+            mean = max(self.B, self.tokens // self.prompts // self.B * self.B)
+            if max(mean / planned, planned / mean) > self.FACTOR:
+                self.wanted = mean
+            else:
+                self.replanned()
+        return self.wanted
 
     def replanned(self) -> None:
-        """Looked (and re-planned if it had to): the next look is later."""
+        """Looked (and re-planned where it had to): the next look is later."""
+        self.wanted = None
         self.next_look = self.prompts + min(self.prompts, self.EVERY)
 
 
@@ -433,12 +443,20 @@ class Connector:
 
     def _learn_reference(self, req: RequestState) -> None:
         """Re-plan the RAM pools for the traffic's mean prompt once it is known and far from the
-        planned one (at the first moment no RAM page is in use; the RAM pages are dropped)."""
-        want = self.reference.observe(req.n_tokens, self.cache.plan.reference_tokens)
-        if want is None or not self.cache.replan(want):
+        planned one (the cache swaps at a moment no RAM page is in use; RAM is emptied)."""
+        want = self.reference.observe(req.request_id, req.n_tokens, self.cache.plan.reference_tokens)
+        if want is None:
+            return
+        try:
+            if not self.cache.replan(want):
+                return                      # not yet: asked again at the next finished request
+        except HybridKVError as e:
+            log.warning("RAM stays split for %d-token prompts (%s); set reference_tokens to the mean prompt",
+                        self.cache.plan.reference_tokens, e)
+            self.reference = None
             return
         self.reference.replanned()
         self.stats["replans"] += 1
         self.stats["reference_tokens"] = want
-        log.info("RAM pools re-planned for %d-token prompts, the mean of the %d so far (reference_tokens "
-                 "is not set); the pages RAM held were dropped", want, self.reference.prompts)
+        log.info("RAM re-planned for %d-token prompts, the mean of the %d so far (reference_tokens is not "
+                 "set); the pages RAM held were dropped", want, self.reference.prompts)
