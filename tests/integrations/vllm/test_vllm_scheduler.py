@@ -551,35 +551,44 @@ def test_the_prompts_own_state_is_asked_for_and_stored_on_the_configured_grid(tm
     side.close()
 
 
-def test_after_the_cache_replans_ram_the_worker_maps_the_new_regions_and_stores_and_loads_there(tmp_path):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_after_the_cache_replans_ram_the_workers_map_the_new_regions_and_store_and_load_there(tmp_path, tp):
     """A cache not told the prompt length re-plans RAM once it has learned it: new regions,
-    the old ones dropped. The worker must map the new ones before its next copy, and a page
-    stored there must load back bit for bit."""
-    side = fresh_scheduler(tmp_path)
-    config, kv = vllm_objects(block=B)
-    source = worker_tensors(1)
-    worker = WorkerSide(config, kv)
-    stored_by_workers(side, [worker], [source])
-    old = {gid: worker.regions[gid].path for gid in side.cache.regions}
+    the old ones dropped. Every rank must map the new ones before its next copy (and unmap
+    the old), and a page stored there must load back into each rank's slice bit for bit."""
+    side = fresh_scheduler(tmp_path, tp=tp)
+    config, kv = vllm_objects(block=B, tp=tp)
+    sources = [worker_tensors(seed) for seed in range(1, tp + 1)]
+    workers = [WorkerSide(config, kv, rank=r) for r in range(tp)]
+    stored_by_workers(side, workers, sources)
+    old = [dict(w.regions) for w in workers]
     reference = side.cache.plan.reference_tokens * 4
     assert any(side.cache.replan(reference) or time.sleep(0.01) for _ in range(1000))   # when made
-    assert not any(path.exists() for path in old.values())
+    assert not any(r.path.exists() for regions in old for r in regions.values())
     assert side.match(request("r"), 0) == 0            # the RAM pages went with the old regions
     side.finish("r")
-    stored_by_workers(side, [worker], [source])        # the worker maps the new regions to store
-    assert {gid: worker.regions[gid].path for gid in side.cache.regions} == {
-        gid: r.path for gid, r in side.cache.regions.items()}
+    stored_by_workers(side, workers, sources)          # each rank maps the new regions to store
+    for worker in workers:
+        assert {gid: r.path for gid, r in worker.regions.items()} == {
+            gid: r.path for gid, r in side.cache.regions.items()}
+    assert all(r.array is None for regions in old for r in regions.values())     # unmapped
     assert side.match(request("r"), 0) == 3 * B
-    assert side.loads_within_step("r")                 # the worker reported the new regions mapped
+    assert side.loads_within_step("r")                 # every rank reported the new regions mapped
     targets = ([5, 6, 7, 8], [1, 2, 3, 4])
     side.allocated(request("r"), targets, 3 * B)
     plan = side.plan_step({"r": (3 * B, 3 * B + 1)}, lambda rid: targets, {})
-    empty = {k: torch.zeros_like(v) for k, v in worker_tensors(0).items()}
-    worker.register(empty)
-    worker.load(plan)
-    side.on_report(worker.take_report())
-    for s_block, d_block in zip(BLOCK_IDS[1], targets[1][:3], strict=True):
-        assert torch.equal(source["l2"][s_block].view(torch.int32), empty["l2"][d_block].view(torch.int32))
-    assert torch.equal(source["l0"][9], empty["l0"][7])
-    worker.close()
+    empty = [{k: torch.zeros_like(v) for k, v in worker_tensors(0).items()} for _ in workers]
+    merged = None
+    for worker, tensors in zip(workers, empty, strict=True):
+        worker.register(tensors)
+        worker.load(plan)
+        part = worker.take_report()
+        merged = part if merged is None else merged.aggregate(part)
+    side.on_report(merged)
+    for src, dst in zip(sources, empty, strict=True):
+        for s_block, d_block in zip(BLOCK_IDS[1], targets[1][:3], strict=True):
+            assert torch.equal(src["l2"][s_block].view(torch.int32), dst["l2"][d_block].view(torch.int32))
+        assert torch.equal(src["l0"][9], dst["l0"][7])
+    for worker in workers:
+        worker.close()
     side.close()
