@@ -100,6 +100,23 @@ class StateLookup:
         return self.where[block] is not None
 
 
+class RecentIds:
+    """The last ``size`` request ids seen: a request an engine looks up or finishes again
+    (vLLM: waiting, preempted) teaches a learner once."""
+
+    def __init__(self, size: int = 4096):
+        self.size = size
+        self._ids: OrderedDict[str, None] = OrderedDict()
+
+    def first_sight(self, request_id: str) -> bool:
+        if request_id in self._ids:
+            return False
+        self._ids[request_id] = None
+        if len(self._ids) > self.size:
+            self._ids.popitem(last=False)
+        return True
+
+
 class ReferenceLearner:
     """The traffic's mean prompt length, for a cache whose pools were sized without one
     (``reference_tokens`` unset: for the model's longest prompts, which leaves the state pools
@@ -112,21 +129,17 @@ class ReferenceLearner:
     FIRST = 32
     EVERY = 256
     FACTOR = 1.5
-    REMEMBERED_IDS = 4096
 
     def __init__(self, block_tokens: int):
         self.B = block_tokens
         self.prompts = self.tokens = 0
         self.next_look = self.FIRST
         self.wanted: int | None = None
-        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._seen = RecentIds()
 
     def observe(self, request_id: str, n_tokens: int, planned: int) -> int | None:
         """Count a finished request; the length RAM should be re-planned for, if any."""
-        if request_id not in self._seen:
-            self._seen[request_id] = None
-            if len(self._seen) > self.REMEMBERED_IDS:
-                self._seen.popitem(last=False)
+        if self._seen.first_sight(request_id):
             self.prompts += 1
             self.tokens += n_tokens
         if self.wanted is None and self.prompts >= self.next_look:
@@ -157,7 +170,7 @@ class Connector:
         # caller chose the retention itself
         self.alignment = (DivergenceAlignment(self.B) if config.state_align is None and retention is None
                           and not self.retention.dense else None)
-        self._observed: OrderedDict[str, None] = OrderedDict()   # request ids learned from
+        self._observed = RecentIds()       # request ids the alignment learned from
         self.groups = self.layout.cacheable_groups
         self.token_groups = [g.id for g in self.groups if g.is_token_group]
         self.state_groups = [g.id for g in self.groups if g.kind is GroupKind.STATE]
@@ -206,14 +219,9 @@ class Connector:
         self.stats["prompt_tokens"] += req.n_tokens
         return req
 
-    LEARNED_IDS = 4096      # a request looked up again (vLLM: waiting, preempted) counts once
-
     def _learn_alignment(self, req: RequestState) -> None:
-        if self.alignment is None or req.request_id in self._observed:
+        if self.alignment is None or not self._observed.first_sight(req.request_id):
             return
-        self._observed[req.request_id] = None
-        if len(self._observed) > self.LEARNED_IDS:
-            self._observed.popitem(last=False)
         if self.alignment.observe(req.hit.attention_tokens, replay_boundary(req.n_tokens, self.B)):
             self._realign(self.alignment.align)
 

@@ -122,17 +122,13 @@ class _Populator:
                 log.info("RAM pages fault in as first used (madvise: %s)", self.unsupported)
         return self.unsupported is None
 
-    def map_to(self, region: SharedRegion, needed: int, then: int) -> None:
-        """Have the region's first ``needed`` bytes mapped; when that asks for more than was
-        asked before, map up to ``then`` (further: the work comes in a few large steps, not a
-        sliver at every engine step). Both are rounded up to whole memory pages."""
+    def map_to(self, region: SharedRegion, nbytes: int) -> None:
+        """Have the region's first ``nbytes`` mapped, rounded up to whole memory pages."""
         with self._changed:
             if not self._probe():
                 return
             job = self._jobs.setdefault(region, [0, 0])
-            if needed <= job[1]:
-                return
-            job[1] = min(_page_up(then), _page_up(region.nbytes))
+            job[1] = max(job[1], min(_page_up(nbytes), _page_up(region.nbytes)))
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="hybridkv-map-pages", daemon=True)
                 self._thread.start()
@@ -215,6 +211,7 @@ class SharedRegion:
         self._unlinker = None
         self._unpin: Callable[[], None] | None = None
         self._pinned = False               # a pin hook ran: every page is mapped
+        self._map_target = 0               # bytes asked to be mapped ahead so far
         if owner:
             self.take_ownership()
 
@@ -299,11 +296,16 @@ class SharedRegion:
         """Slots below ``slots_used`` are in use: have them and at least a window beyond mapped
         in this process, in the background (a pinned region is mapped whole already). Nothing
         is mapped before a slot is used: at start the mapping would compete with the first
-        requests (a restore right after a start ran 1.5x slower)."""
-        if slots_used > 0 and not self._pinned and self._map is not None:   # used, not pinned, open
-            ahead = max(MAP_AHEAD_BYTES, self.page_bytes)
-            needed = slots_used * self.page_bytes + ahead
-            POPULATOR.map_to(self, min(self.nbytes, needed), min(self.nbytes, needed + ahead))
+        requests (a restore right after a start ran 1.5x slower). Short of a window it asks
+        for two, so the work comes in a few large steps, not a sliver at every engine step;
+        at most steps it has nothing to ask and returns at once."""
+        if slots_used <= 0 or self._pinned or self._map is None:    # unused, pinned or closed
+            return
+        ahead = max(MAP_AHEAD_BYTES, self.page_bytes)
+        needed = min(self.nbytes, slots_used * self.page_bytes + ahead)
+        if needed > self._map_target:
+            self._map_target = min(self.nbytes, needed + ahead)
+            POPULATOR.map_to(self, self._map_target)
 
     def run_pin_hook(self, hook: PinHook, rank: int = 0) -> None:
         """Run e.g. CUDA host registration under an exclusive flock; failure is fatal."""

@@ -99,22 +99,22 @@ def compare(layout: Layout, prompts: Sequence[np.ndarray], budgets: Sequence[int
     token_bytes = sum(g.page_bytes for g in layout.cacheable_groups if g.is_token_group)
     shares = [plan_pools(layout, b, rec.retention, reference_tokens, None, rec.tail).token_slots * token_bytes
               for b in budgets]
-    default_reference = default_reference_tokens(layout)
-    runs = [(name, b) for name in names for b in budgets]
-    runs += [(kind, b) for kind in ("ceiling", "unset") for b in budgets] + [("share", b) for b in shares]
+    kv_only = Policy("attention-only ceiling", states=False)
+    # (result row, policy, budget, reference_tokens: None as a cache not told it)
+    runs = [(name, name, b, reference_tokens) for name in names for b in budgets]
+    runs += [("ceiling", kv_only, b, reference_tokens) for b in budgets]
+    runs += [("unset", RECOMMENDED, b, None) for b in budgets]
+    runs += [("share", kv_only, b, reference_tokens) for b in shares]
     results: dict[str, list[SimResult]] = {name: [] for name in [*names, "ceiling", "share", "unset"]}
-    for name, budget in tqdm(runs, desc=workload or "compare", unit="run", disable=not progress):
-        reference = None if name == "unset" else reference_tokens
-        if name in ("ceiling", "share"):
-            pol = Policy("attention-only ceiling", states=False)
-        elif name == "marconi":
+    for row, pol, budget, reference in tqdm(runs, desc=workload or "compare", unit="run", disable=not progress):
+        if pol == "marconi":
             pol = _tuned_marconi(layout, prompts, budget, reference_tokens)
-        else:
-            pol = policy(RECOMMENDED if name == "unset" else name)
-        results[name].append(replay(layout, prompts, budget, pol, workload, reference, progress=progress))
+        elif isinstance(pol, str):
+            pol = policy(pol)
+        results[row].append(replay(layout, prompts, budget, pol, workload, reference, progress=progress))
     ceiling, share, unset = results.pop("ceiling"), results.pop("share"), results.pop("unset")
     return Comparison(workload, list(budgets), results, ceiling, share,
-                      [s / b for s, b in zip(shares, budgets, strict=True)], unset, default_reference)
+                      [s / b for s, b in zip(shares, budgets, strict=True)], unset, default_reference_tokens(layout))
 
 
 def _gib(b: int) -> str:

@@ -142,7 +142,8 @@ class SchedulerSide:
         self._within_loads: dict[str, _Request] = {}  # load id -> its request, until every rank loaded
         self._next_load = 0
         self._ranks_mapped: set[int] = set()          # ranks whose worker holds the regions mapped
-        self._infos_sent: dict[int, RegionInfo] = {}  # the regions the step plans name
+        self._plan_of_infos = None                    # the cache plan _infos were made for
+        self._infos: dict[int, RegionInfo] = {}       # the regions the step plans name
         self._closed = False
         self.history: deque[dict] = deque(maxlen=256)     # the last finished requests, for operators
         self._reported = {"loaded_tokens": 0, "stored_pages": 0, "engine_s": 0.0}   # at the last stats call
@@ -300,13 +301,14 @@ class SchedulerSide:
 
     # -- stores -----------------------------------------------------------------------------
     def _region_infos(self) -> dict[int, RegionInfo]:
-        """What a worker needs to map each region. After the cache re-planned RAM the paths are
-        new, and no rank has mapped them: loads go to steps of their own until each has."""
-        infos = {gid: RegionInfo(str(r.path), r.slots, r.page_bytes) for gid, r in self.cache.regions.items()}
-        if infos != self._infos_sent:
-            self._infos_sent = infos
+        """What a worker needs to map each region, made again only when the cache's plan is
+        new: after it re-planned RAM the paths are new, and no rank has mapped them, so loads
+        go to steps of their own until each has."""
+        if self.cache.plan is not self._plan_of_infos:
+            self._plan_of_infos = self.cache.plan
+            self._infos = {gid: RegionInfo(str(r.path), r.slots, r.page_bytes) for gid, r in self.cache.regions.items()}
             self._ranks_mapped.clear()
-        return infos
+        return self._infos
 
     def plan_step(self, scheduled: dict[str, tuple[int, int]], block_ids_of,
                   handoffs: dict[str, list[tuple[int, int, int]]]) -> StepPlan:
