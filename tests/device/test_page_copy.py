@@ -170,3 +170,29 @@ def test_mismatched_pages_are_refused_with_both_figures(region):
         copier.save(0, region(width + 8), [0], [0])
     with pytest.raises(HybridKVError, match="neither 6 blocks nor a whole number of kernel blocks"):
         fold_kernel_blocks(torch.zeros(7, 2, 4, 4), BLOCKS)
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
+def test_layers_whose_bytes_do_not_line_up_with_their_dtype_round_trip(staged, region):
+    """A 3-byte int8 layer before an int32 one puts the int32 bytes at an odd offset of the
+    page: they cannot be seen in place as int32 and go through a buffer, same bytes."""
+    odd = torch.randint(-100, 100, (BLOCKS, 1, 1, 3), dtype=torch.int8)
+    wide = torch.randint(-1000, 1000, (BLOCKS, 2, 5), dtype=torch.int32)
+    r = region(block_bytes([odd, wide]))
+    PageCopier({0: [odd, wide]}, {0: r.page_bytes}, staged=staged).save(0, r, [2, 3], [4, 1])
+    assert torch.equal(torch.from_numpy(r.array[2].copy()), expected_page([odd, wide], 4))
+    back = [torch.zeros_like(odd), torch.zeros_like(wide)]
+    PageCopier({0: back}, {0: r.page_bytes}, staged=staged).load(0, r, [2, 3], [0, 5])
+    assert torch.equal(back[0][0], odd[4]) and torch.equal(back[1][5], wide[1])
+    assert not back[1][[1, 2, 3, 4]].any()
+
+
+def test_a_new_region_of_a_group_is_copied_into_not_the_one_before(region):
+    """The copier keeps a view of each group's region; a re-planned region replaces it."""
+    src = views("LBHNC")
+    copier = PageCopier({0: src}, {0: block_bytes(src)})
+    old, new = region(block_bytes(src)), region(block_bytes(src))
+    copier.save(0, old, [0], [1])
+    copier.save(0, new, [0], [2])
+    assert torch.equal(torch.from_numpy(new.array[0].copy()), expected_page(src, 2))
+    assert torch.equal(torch.from_numpy(old.array[0].copy()), expected_page(src, 1))

@@ -109,6 +109,7 @@ class WorkerSide:
         for gid in missing:
             info = plan.regions[gid]
             if gid in self.regions:
+                self.copier.forget(gid)
                 self.regions.pop(gid).close()
             self.regions[gid] = SharedRegion.attach(info.path, info.slots, info.page_bytes,
                                                     self.copier.pin_hook, self.rank)
@@ -210,6 +211,7 @@ class WorkerSide:
         for batch in self._loads + self._loads_within_step + self._stores:
             for t in batch.transfers:
                 t.wait()
-        for region in self.regions.values():
+        for gid, region in self.regions.items():
+            self.copier.forget(gid)
             region.close()
         self.regions = {}
