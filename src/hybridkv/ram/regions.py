@@ -293,19 +293,16 @@ class SharedRegion:
             self._unlinker = weakref.finalize(self, _unlink_region, self.path, _hold_lease(self.path))
 
     def map_ahead(self, slots_used: int) -> None:
-        """Slots below ``slots_used`` are in use: have them and a window beyond mapped in this
-        process, in the background (a pinned region is mapped whole already). The window is
-        as large as what is in use, up to ``MAP_AHEAD_BYTES``: nothing is mapped before a slot
-        is used, and little while little is, since at start the mapping competes with the
-        first requests for the cores (a restore right after a start ran 1.5x slower; a full
-        window for each region at the first store made the first cold prompt up to 1.8x
-        slower). Short of a window it asks for two, so the work comes in a few large steps,
-        not a sliver at every engine step; at most steps it has nothing to ask and returns."""
+        """Slots below ``slots_used`` are in use: have them and at least a window beyond mapped
+        in this process, in the background (a pinned region is mapped whole already). Nothing
+        is mapped before a slot is used: at start the mapping would compete with the first
+        requests (a restore right after a start ran 1.5x slower). Short of a window it asks
+        for two, so the work comes in a few large steps, not a sliver at every engine step;
+        at most steps it has nothing to ask and returns at once."""
         if slots_used <= 0 or self._pinned or self._map is None:    # unused, pinned or closed
             return
-        used = slots_used * self.page_bytes
-        ahead = max(self.page_bytes, min(MAP_AHEAD_BYTES, used))
-        needed = min(self.nbytes, used + ahead)
+        ahead = max(MAP_AHEAD_BYTES, self.page_bytes)
+        needed = min(self.nbytes, slots_used * self.page_bytes + ahead)
         if needed > self._map_target:
             self._map_target = min(self.nbytes, needed + ahead)
             POPULATOR.map_to(self, self._map_target)
