@@ -106,6 +106,9 @@ def test_vllm_table_names_the_machine_when_the_run_recorded_it():
     row["hybridkv_ram_beside_disk"] = {**ttft(0.04, 1920), "match_ms": 1.0}
     text = vllm_table(results)
     assert "| 8.0x / 4.0x | 2.00x | 1.25x |" in text and "| 10.0 ms | 19.0 ms |" in text
+    # newest: each prompt's two requests ran back to back, the median of their ratios is shown
+    row["ram_over_own_paired"], row["disk_over_ram_paired"] = 1.1, 1.3
+    assert "| 8.0x / 4.0x | 1.10x | 1.30x |" in vllm_table(results)
 
 
 def test_the_lookup_benchmark_times_lookups_during_and_after_a_scan_against_ram_only(tmp_path):

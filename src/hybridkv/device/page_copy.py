@@ -119,6 +119,21 @@ def _typed(rows: torch.Tensor, view: torch.Tensor) -> torch.Tensor | None:
     return rows.view(view.dtype).view(rows.shape[0], *view.shape[1:])
 
 
+def _widened(target: torch.Tensor, data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """1- and 2-byte tensors seen as 8- or 4-byte integers where their layout allows (else as
+    they are): the copy is the same bytes, and ``index_copy_`` moves elements. On CPU, 15
+    blocks of 32 KiB: int8 (vLLM's state views) 262 -> 38 µs, bf16 67 -> 39 µs; fp32 gains
+    nothing and is left alone."""
+    if target.element_size() > 2:
+        return target, data
+    for wide in (torch.int64, torch.int32):
+        try:
+            return target.view(wide), data.view(wide)
+        except RuntimeError:         # a dimension or stride the wider type does not divide
+            continue
+    return target, data
+
+
 def slot_rows(slots: Sequence[int]) -> slice | torch.Tensor:
     """The region rows of ``slots``: a slice where they run consecutively (a pool hands out
     fresh slots in order), which torch copies ~3x faster than an index for small pages."""
@@ -258,7 +273,8 @@ class PageCopier:
         data = _typed(raw, p.view)      # read in place where the bytes line up, else via a copy
         if data is None:
             data = raw.contiguous().view(p.view.dtype).reshape(len(ids), *p.view.shape[1:])
-        p.view.index_copy_(0, ids, data)
+        target, data = _widened(p.view, data)
+        target.index_copy_(0, ids, data)
 
     def _staged(self, group: int, host: torch.Tensor, slots, blocks, kind: str,
                 feeds_forward: bool = False) -> Transfer:

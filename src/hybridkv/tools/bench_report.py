@@ -305,7 +305,9 @@ def vllm_table(results: dict) -> str:
     def cell(x):
         return "-" if x is None else f"{x['ttft_s'] * 1000:.0f} ms ({x['cached']:.0f} cached)"
 
-    def ratio(a, b):
+    def ratio(a, b, paired=None):
+        if paired is not None:       # each prompt's two requests back to back (newer runs)
+            return f"{paired:.2f}x"
         return f"{a['ttft_s'] / b['ttft_s']:.2f}x" if a and b and b["cached"] else "-"
 
     for fam in results["families"]:
@@ -319,7 +321,8 @@ def vllm_table(results: dict) -> str:
                 own = None               # stock vLLM's own cache found nothing: no ratio to give
             lines.append(f"| {fam['family']} | {r['tokens']:,} | {cell(cold)} | {cell(r['vllm_local'])} | "
                          f"{cell(r['hybridkv_cold'])} | {cell(ram)} | {cell(disk)} | {speed} | "
-                         f"{ratio(ram, own)} | {ratio(disk, ram_beside)} |")
+                         f"{ratio(ram, own, r.get('ram_over_own_paired'))} | "
+                         f"{ratio(disk, ram_beside, r.get('disk_over_ram_paired'))} |")
     lines += _background_reads_table(results)
     lines.append(f"\nvLLM's OffloadingConnector on this build: {results['offloading']}")
     return "\n".join(lines)

@@ -12,8 +12,10 @@ build a TP=N engine gets one core per rank, so TP=2 rows on a 2-core machine com
 connector's cost, not serving speed).
 
 TTFT is the wall time of a one-token generate call (scheduling, prefill and the first
-sample); every figure is the median of ``--reps`` distinct prompts. Prints a markdown table
-and writes the raw figures as JSON.
+sample); every figure is the median of ``--reps`` distinct prompts. The two ratios against a
+ceiling (a RAM hit against vLLM's own hit, a disk restore against a RAM hit) pair each
+prompt's two requests back to back in one process and take the median of their ratios.
+Prints a markdown table and writes the raw figures as JSON.
 """
 
 from __future__ import annotations
@@ -70,13 +72,22 @@ def run_engine(work: Path, name: str, model: Path, family: str, connector, reque
     return out
 
 
-def _medians(requests: list[dict], start: int, count: int) -> dict:
-    chosen = requests[start:start + count]
+def _medians(requests: list[dict], indices: list[int]) -> dict:
+    chosen = [requests[i] for i in indices]
     medians = {"ttft_s": statistics.median(r["seconds"] for r in chosen),
                "cached": statistics.median(r["cached"] for r in chosen)}
     if all("match_ms" in r for r in chosen):
         medians["match_ms"] = statistics.median(r["match_ms"] for r in chosen)
     return medians
+
+
+def _paired_ratio(requests: list[dict], pairs: list[tuple[int, int]]) -> float | None:
+    """Median over prompts of one request's TTFT over its partner's: the two ran back to back
+    in one process, so the drift of a busy machine cancels (a ratio of two medians taken in
+    passes minutes apart moved up to 1.6x between runs of the same code)."""
+    if not all(requests[b]["cached"] for _, b in pairs):
+        return None
+    return statistics.median(requests[a]["seconds"] / requests[b]["seconds"] for a, b in pairs)
 
 
 def bench_family(family: str, work: Path, reps: int, tp: int = 1) -> dict:
@@ -88,32 +99,38 @@ def bench_family(family: str, work: Path, reps: int, tp: int = 1) -> dict:
     one = {"max_tokens": 1}
     connector = {"store": str(work / f"store-{family}-tp{tp}"), "ram_bytes": "1GiB"}
     Path(connector["store"]).mkdir(parents=True, exist_ok=True)
-    # A: cold (hybridkv stores), then each repeat after emptying vLLM's cache: hybridkv RAM,
-    # then each once more: vLLM's own prefix cache hits, in the same process (engine processes
-    # of one configuration differ by more than these figures on a small machine).
+    # A: cold (hybridkv stores), then for each prompt in turn: after emptying vLLM's cache, a
+    # hybridkv RAM hit, and at once again: vLLM's own prefix cache hit, in the same process
+    # (engine processes of one configuration differ by more than these figures here).
     a = run_engine(work, f"{family}-A", model, family, connector,
-                [{"tokens": p, **one} for p in flat] + [{"tokens": p, "reset": True, **one} for p in flat]
-                + [{"tokens": p, **one} for p in flat], tp=tp)
-    # B: a new process on the same store: restore from disk, the reads inside the lookup, then
-    # each again after emptying vLLM's cache: a RAM hit in the same process;
+                   [{"tokens": p, **one} for p in flat]
+                   + [r for p in flat for r in ({"tokens": p, "reset": True, **one}, {"tokens": p, **one})], tp=tp)
+    # B: a new process on the same store: for each prompt, a restore from disk (the reads
+    # inside the lookup), then after emptying vLLM's cache a RAM hit in the same process;
     # D: the disk restore with the reads in the background.
     b = run_engine(work, f"{family}-B", model, family, connector,
-                [{"tokens": p, **one} for p in flat] + [{"tokens": p, "reset": True, **one} for p in flat], tp=tp)
+                   [r for p in flat for r in ({"tokens": p, **one}, {"tokens": p, "reset": True, **one})], tp=tp)
     d = run_engine(work, f"{family}-D", model, family, connector, [{"tokens": p, **one} for p in flat],
-                transfer={"kv_load_failure_policy": "recompute"}, tp=tp)
+                   transfer={"kv_load_failure_policy": "recompute"}, tp=tp)
     # C: stock vLLM: cold, then the repeat from its own prefix cache (the best case).
     c = run_engine(work, f"{family}-C", model, family, None,
-                [{"tokens": p, **one} for p in flat] + [{"tokens": p, **one} for p in flat], tp=tp)
-    rows = []
+                   [{"tokens": p, **one} for p in flat] + [{"tokens": p, **one} for p in flat], tp=tp)
+    rows, total = [], len(flat)
     for i, n in enumerate(LENGTHS):
-        k, total = i * reps, len(flat)
+        ks = range(i * reps, (i + 1) * reps)
+        ram, own = [total + 2 * k for k in ks], [total + 2 * k + 1 for k in ks]
+        disk, ram_b = [2 * k for k in ks], [2 * k + 1 for k in ks]
         row = {"tokens": n}
-        for label, run, start in (("vllm_cold", c, k), ("vllm_local", c, total + k),
-                                  ("hybridkv_cold", a, k), ("hybridkv_ram", a, total + k),
-                                  ("vllm_local_beside_ram", a, 2 * total + k),
-                                  ("hybridkv_disk", b, k), ("hybridkv_ram_beside_disk", b, total + k),
-                                  ("hybridkv_disk_async", d, k)):
-            row[label] = _medians(run["requests"], start, reps) if "requests" in run else None
+        for label, run, indices in (("vllm_cold", c, list(ks)), ("vllm_local", c, [total + k for k in ks]),
+                                    ("hybridkv_cold", a, list(ks)), ("hybridkv_ram", a, ram),
+                                    ("vllm_local_beside_ram", a, own),
+                                    ("hybridkv_disk", b, disk), ("hybridkv_ram_beside_disk", b, ram_b),
+                                    ("hybridkv_disk_async", d, list(ks))):
+            row[label] = _medians(run["requests"], indices) if "requests" in run else None
+        if "requests" in a:
+            row["ram_over_own_paired"] = _paired_ratio(a["requests"], list(zip(ram, own, strict=True)))
+        if "requests" in b:
+            row["disk_over_ram_paired"] = _paired_ratio(b["requests"], list(zip(disk, ram_b, strict=True)))
         rows.append(row)
     return {"family": family if tp == 1 else f"{family} TP={tp}", "tp": tp, "rows": rows,
             "errors": {k: r["error"] for k, r in (("A", a), ("B", b), ("C", c), ("D", d)) if "error" in r}}
@@ -158,7 +175,7 @@ def _vllm_version() -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hybridkv.tools.bench_vllm")
     ap.add_argument("--families", default="lfm2,qwen3_next")
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--tp", default="1", help="tensor-parallel sizes, comma-separated (default 1)")
     ap.add_argument("--out", default="docs/bench_vllm.json")
     args = ap.parse_args(argv)
