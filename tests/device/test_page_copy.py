@@ -196,3 +196,15 @@ def test_a_new_region_of_a_group_is_copied_into_not_the_one_before(region):
     copier.save(0, new, [0], [2])
     assert torch.equal(torch.from_numpy(new.array[0].copy()), expected_page(src, 2))
     assert torch.equal(torch.from_numpy(old.array[0].copy()), expected_page(src, 1))
+
+
+@pytest.mark.parametrize("slots", [[2, 3], [4, 5, 6]], ids=["fewer-slots", "past-the-end"])
+def test_a_save_whose_slots_do_not_match_its_blocks_fails_and_spares_the_other_rank(slots, region):
+    """index_select would resize a mismatched destination and write wherever that lands."""
+    src = views("LBHNC")
+    width = block_bytes(src)
+    r = region(2 * width)
+    with pytest.raises(RuntimeError):
+        PageCopier({0: src}, {0: 2 * width}, 0, 2).save(0, r, slots, [1, 2, 3])
+    assert not r.array[:, width:].any()          # rank 1's columns untouched
+

@@ -210,7 +210,7 @@ class PageCopier:
             ids, where = self._ids(blocks), slot_rows(slots)
             for p in self.parts[group]:
                 rows = host[where, p.offset:p.offset + p.nbytes]
-                typed = _typed(rows, p.view) if isinstance(where, slice) else None
+                typed = _typed(rows, p.view) if isinstance(where, slice) and len(rows) == len(ids) else None
                 if typed is not None:       # gathered straight into the slots: one pass, no buffer
                     torch.index_select(p.view, 0, ids, out=typed)
                 else:
