@@ -424,8 +424,9 @@ class TieredCache:
         """End-of-step: publish promotions whose reads finished (their pages are pinned for
         whoever waits), unpin pages whose write-through finished; returns how many of those."""
         self.promotions.settle_finished()
-        for gid, region in self.regions.items() if self.secondaries else ():
-            region.map_ahead(self.pools.pool(gid).slots_used)   # the slots promotions read into next
+        if self.secondaries:                          # the slots promotions read into next
+            for gid, region in self.regions.items():
+                region.map_ahead(self.pools.pool(gid).slots_used)
         done, waiting = [], []
         for w in self._writes:
             (done if all(f.done() for f in w.futures) else waiting).append(w)

@@ -113,10 +113,10 @@ def _typed(rows: torch.Tensor, view: torch.Tensor) -> torch.Tensor | None:
     """``rows`` (bytes, one block a row, each row's bytes contiguous) seen as blocks of
     ``view``'s dtype and shape without copying, or None where the bytes do not line up with
     that dtype (the caller then goes through a contiguous buffer)."""
-    size = view.element_size()
-    if rows.stride(-1) != 1 or rows.shape[-1] % size or rows.stride(0) % size or rows.data_ptr() % size:
+    try:
+        return rows.view(view.dtype).view(rows.shape[0], *view.shape[1:])
+    except RuntimeError:             # an offset or stride the dtype's size does not divide
         return None
-    return rows.view(view.dtype).view(rows.shape[0], *view.shape[1:])
 
 
 def _widened(target: torch.Tensor, data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,8 +209,10 @@ class PageCopier:
             t0 = time.perf_counter()
             ids, where = self._ids(blocks), slot_rows(slots)
             for p in self.parts[group]:
-                rows = host[where, p.offset:p.offset + p.nbytes]
-                typed = _typed(rows, p.view) if isinstance(where, slice) and len(rows) == len(ids) else None
+                typed = None
+                if isinstance(where, slice):    # rows in a run: a view of the slots (else a copy)
+                    rows = host[where, p.offset:p.offset + p.nbytes]
+                    typed = _typed(rows, p.view) if len(rows) == len(ids) else None
                 if typed is not None:       # gathered straight into the slots: one pass, no buffer
                     torch.index_select(p.view, 0, ids, out=typed)
                 else:
