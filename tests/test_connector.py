@@ -327,6 +327,27 @@ def test_a_request_looked_up_again_reuses_its_keys_and_finds_its_hit_afresh(tmp_
         assert third.keys is not first.keys and third.keys[0] != first.keys[0] and third.hit.tokens == 0
 
 
+def test_looking_again_finds_pages_stored_since_on_the_same_keys_until_they_no_longer_hold(tmp_path):
+    ids = tokens(2 * B + 1, 22)
+    with TieredCache(LAYOUT, disk_config(tmp_path)) as cache:
+        conn = Connector(cache)
+        waiting = conn.begin("r", ids, salt="tenant")
+        keys = waiting.keys
+        assert waiting.hit.tokens == 0
+        writer = conn.begin("w", ids, salt="tenant")
+        conn.offer_block(writer, 0, {0: page(0, 1)})
+        conn.offer_block(writer, 1, {0: page(0, 2)})
+        conn.offer_state(writer, 2 * B, {1: page(1, 3)})
+        conn.finish(writer)
+        assert conn.look_again(waiting, salt="tenant")
+        assert waiting.keys is keys and waiting.hit.tokens == 2 * B
+        assert not conn.look_again(waiting, salt="other tenant")     # keyed for another salt
+        assert not conn.look_again(waiting, salt="tenant", extra=b"adapter")
+        conn.forget_all()
+        assert not conn.look_again(waiting, salt="tenant")           # a reset: keys no longer hold
+        conn.finish(waiting)
+
+
 def _eager_hit(cache, conn, ids):
     """The hit rule over every key located in every tier: what the lazy lookup must equal."""
     from hybridkv.core.keys import block_hashes

@@ -84,12 +84,15 @@ class StateLookup:
 
     FIRST_BATCH = 4
 
-    def __init__(self, cache: PageCache, gid: int, keys: list[bytes], where: list[str | None]):
+    def __init__(self, cache: PageCache, gid: int, keys: list[bytes], where: list[str | None], reach: int):
         self.cache, self.gid, self.keys, self.where = cache, gid, keys, where
         self.asked = [w is not None for w in where]      # RAM already answered these
+        self.reach = reach            # no hit goes deeper: nothing past it was looked up
         self.batch = self.FIRST_BATCH
 
     def present(self, block: int) -> bool:
+        if block >= self.reach:
+            return False
         if not self.asked[block]:
             lo = max(0, block - self.batch + 1)
             todo = [b for b in range(lo, block + 1) if not self.asked[b]]
@@ -206,7 +209,7 @@ class Connector:
                            keyed_with=(salt, tail))
         self.cache.request_started(request_id)
         located = None
-        if again is not None and again.keyed_with == (salt, tail) and again.n_tokens == len(tokens):
+        if again is not None and self._keys_hold(again, salt, extra) and again.n_tokens == len(tokens):
             req.keys = again.keys         # (nothing to prefetch ahead of keying then)
         elif prefetch:
             located = self._key_and_prefetch(req, tokens, salt, tail)
@@ -218,6 +221,18 @@ class Connector:
         self.stats["requests"] += 1
         self.stats["prompt_tokens"] += req.n_tokens
         return req
+
+    def look_again(self, req: RequestState, salt: str | None = None, extra: bytes | None = None) -> bool:
+        """An engine asks again about a request it has not scheduled yet, nothing pinned for
+        it: find its hit afresh (pages stored since count) over the keys it has. False where
+        those no longer hold (another salt or extra, or a reset since): ``begin`` it anew."""
+        if not self._keys_hold(req, salt, extra):
+            return False
+        req.hit = self._find_hit(req)
+        return True
+
+    def _keys_hold(self, req: RequestState, salt: str | None, extra: bytes | None) -> bool:
+        return req.keyed_with == (salt, (extra or b"") + self._epoch)
 
     def _learn_alignment(self, req: RequestState) -> None:
         if self.alignment is None or not self._observed.first_sight(req.request_id):
@@ -269,18 +284,26 @@ class Connector:
         return where
 
     def _find_hit(self, req: RequestState, located: dict[int, list] | None = None) -> Hit:
+        """Attention groups are looked up first: no hit reaches past the first block one of
+        them lacks, so the other groups are looked up only that far (a miss looks up no
+        state at all; on unique prompts those lookups were half of a miss's)."""
         cap = max(0, (req.n_tokens - 1) // self.B)
         local = min(req.local_blocks, cap)
         where, lazy = {}, {}
-        for g in self.groups:   # token pages the engine holds are not looked up in any tier
-            skip = local if g.is_token_group else 0
+        reach = cap
+        for g in sorted(self.groups, key=lambda g: g.kind is not GroupKind.ATTENTION):
+            skip = local if g.is_token_group else 0   # token pages the engine holds are not looked up
             state = g.kind is GroupKind.STATE
             if located and g.id in located:     # token groups ``begin`` looked up already
                 where[g.id] = located[g.id]
-                continue
-            where[g.id] = [None] * skip + self.cache.lookup(g.id, req.keys[skip:cap], below_ram=not state)
+            else:
+                upto = cap if g.kind is GroupKind.ATTENTION else max(reach, skip)
+                where[g.id] = ([None] * skip + self.cache.lookup(g.id, req.keys[skip:upto], below_ram=not state)
+                               + [None] * (cap - upto))
+            if g.kind is GroupKind.ATTENTION and None in where[g.id][local:reach]:
+                reach = where[g.id].index(None, local)
             if state:
-                lazy[g.id] = StateLookup(self.cache, g.id, req.keys, where[g.id])
+                lazy[g.id] = StateLookup(self.cache, g.id, req.keys, where[g.id], reach)
         req.where = where
         token_groups = set(self.token_groups)
 

@@ -12,7 +12,7 @@ import torch
 
 from hybridkv import connector as connector_module
 from hybridkv.core.errors import HybridKVError
-from hybridkv.integrations.vllm import scheduler as scheduler_module
+from hybridkv.integrations.vllm import stats_file as stats_file_module
 from hybridkv.integrations.vllm.messages import ENGINE_S_ALONE, RankReport, WorkerReport
 from hybridkv.integrations.vllm.scheduler import SchedulerSide
 from hybridkv.integrations.vllm.worker import WorkerSide
@@ -185,6 +185,27 @@ def test_a_request_asked_about_again_is_not_keyed_again_unless_the_cache_was_res
     side.close()
 
 
+def test_a_request_asked_about_again_while_waiting_keeps_its_state_and_finds_pages_stored_since(tmp_path):
+    """Between two asks about a waiting request another one stores its prompt: the second ask
+    finds that hit on the same state, and the request is counted and recorded once."""
+    side = fresh_scheduler(tmp_path)
+    waiting = request("waiting")
+    assert side.match(waiting, 0) == 0
+    first = side.connector.stats["requests"]
+    writer = side.connector.begin("writer", PROMPT)
+    for b in range(3):
+        side.connector.offer_block(writer, b, {1: page(side, 1, b)})
+    side.connector.offer_state(writer, 3 * B, {0: page(side, 0, 99)})
+    side.connector.finish(writer)
+    assert side.match(waiting, 0) == 3 * B           # not scheduled in between: asked again
+    assert side.connector.stats["requests"] == first + 1      # the writer's begin, not a second one
+    side.allocated(waiting, BLOCK_IDS, 3 * B)
+    side.finish("waiting")
+    assert [r["request"] for r in side.history] == ["waiting"]
+    assert side.history[0]["loaded_tokens"] == 3 * B
+    side.close()
+
+
 def test_a_step_asks_vllm_for_block_ids_only_where_it_completes_a_prompt_block(tmp_path):
     side = fresh_scheduler(tmp_path)
     side.match(request(), 0)
@@ -271,29 +292,49 @@ def test_under_tensor_parallelism_a_hit_stays_pinned_until_every_rank_loaded_it(
 
 
 def test_a_stats_file_that_cannot_be_written_is_logged_once_and_never_raised(tmp_path, caplog, monkeypatch):
-    monkeypatch.setattr(scheduler_module, "STATS_INTERVAL_S", 3600.0)     # however slow this machine
+    monkeypatch.setattr(stats_file_module, "STATS_INTERVAL_S", 3600.0)     # however slow this machine
     side = scheduler(tmp_path, stats_file=str(tmp_path / "missing-dir" / "stats.json"))
     for rid in ("a", "b"):
         side.match(request(rid), 0)
-        side.finish(rid)                     # writes the stats file: inside vLLM's request_finished
-    assert side.stats.stats_write_errors == 1    # the second finish came within the interval
+        side.finish(rid)                     # hands the stats to the writer: inside vLLM's request_finished
+    side.stats_file.wait()
+    assert side.stats_file.errors == 1       # the second finish came within the interval
     side.close()                             # writes it whatever the interval
-    assert side.stats.stats_write_errors == 2
+    assert side.stats_file.errors == 2
     assert caplog.text.count("cannot write stats_file") == 1
 
 
 def test_the_stats_file_is_rewritten_at_most_once_an_interval_and_at_close(tmp_path, monkeypatch):
-    monkeypatch.setattr(scheduler_module, "STATS_INTERVAL_S", 3600.0)     # however slow this machine
+    monkeypatch.setattr(stats_file_module, "STATS_INTERVAL_S", 3600.0)     # however slow this machine
     path = tmp_path / "stats.json"
     side = scheduler(tmp_path, stats_file=str(path))
     side.match(request("a"), 0)
     side.finish("a")
+    side.stats_file.wait()
     assert [r["request"] for r in json.loads(path.read_text())["requests"]] == ["a"]
     side.match(request("b"), 0)
     side.finish("b")                         # within the interval: not rewritten yet
+    side.stats_file.wait()
     assert [r["request"] for r in json.loads(path.read_text())["requests"]] == ["a"]
     side.close()
     assert [r["request"] for r in json.loads(path.read_text())["requests"]] == ["a", "b"]
+
+
+def test_the_stats_file_is_written_off_the_engine_loop_from_a_snapshot(tmp_path):
+    """The writer thread serializes what ``finish`` handed it, however the engine's counters
+    move on meanwhile."""
+    path = tmp_path / "stats.json"
+    side = scheduler(tmp_path, stats_file=str(path))
+    side.count_hook("get_num_new_matched_tokens", 0.5)
+    side.match(request("a"), 0)
+    side.finish("a")
+    side.count_hook("get_num_new_matched_tokens", 0.25)      # after the snapshot was taken
+    side.count_hook("build_connector_meta", 0.125)
+    side.stats_file.wait()
+    assert json.loads(path.read_text())["vllm"]["hook_s"] == {"get_num_new_matched_tokens": 0.5}
+    side.close()
+    assert json.loads(path.read_text())["vllm"]["hook_s"] == {"get_num_new_matched_tokens": 0.75,
+                                                              "build_connector_meta": 0.125}
 
 
 def test_the_stats_file_never_follows_a_link_planted_beside_it(tmp_path):
