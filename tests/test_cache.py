@@ -440,3 +440,22 @@ def test_a_write_that_raises_never_reaches_the_drain_that_waits_for_it(tmp_path,
         assert cache.pools.pool(1).refs_of(key(1)) == 0          # unpinned all the same
         assert cache.lookup(1, [key(1)]) == ["ram"]
     assert "2 background writes failed" in caplog.text and "injected" in caplog.text
+
+
+def test_a_prefix_lookup_asks_the_slower_tiers_nothing_past_the_first_key_none_holds(tmp_path):
+    """Attention pages serve only a run from the prompt's start: where no tier holds the
+    first key RAM lacks, the disk is asked about that key alone; where one does, about all."""
+    config = CacheConfig(block_tokens=16, ram_bytes=1024**2, store=str(tmp_path))
+    with TieredCache(LAYOUT, config) as cache:
+        assert store_pages(cache, {0: [(key(i), page(0, i)) for i in (1, 2, 4)]})
+        cache.drain()
+    with TieredCache(LAYOUT, config) as cache:
+        assert cache.secondaries[0].wait_ready(30)
+        misses = lambda: cache.stats()["tiers"]["fs"]["misses"]     # noqa: E731
+        keys = [key(i) for i in (1, 2, 3, 4, 5)]
+        assert cache.lookup(0, keys, prefix=True) == ["fs", "fs", None, "fs", None]
+        assert misses() == 2
+        assert cache.lookup(0, [key(9), *keys], prefix=True) == [None] * 6      # a miss from the start
+        assert misses() == 3                                        # one key asked, not six
+        assert cache.lookup(0, [key(9), *keys]) == [None, "fs", "fs", None, "fs", None]
+        assert misses() == 6

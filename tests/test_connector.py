@@ -1,5 +1,6 @@
 """Durable page offers, driven directly through the engine-neutral connector."""
 
+import dataclasses
 import logging
 import shutil
 import time
@@ -339,8 +340,10 @@ def test_looking_again_finds_pages_stored_since_on_the_same_keys_until_they_no_l
         conn.offer_block(writer, 1, {0: page(0, 2)})
         conn.offer_state(writer, 2 * B, {1: page(1, 3)})
         conn.finish(writer)
+        waiting.retention = dataclasses.replace(waiting.retention, align=0)   # as an engine's stop may
         assert conn.look_again(waiting, salt="tenant")
         assert waiting.keys is keys and waiting.hit.tokens == 2 * B
+        assert waiting.retention is conn.retention                  # the one in force, as begin takes
         assert not conn.look_again(waiting, salt="other tenant")     # keyed for another salt
         assert not conn.look_again(waiting, salt="tenant", extra=b"adapter")
         conn.forget_all()

@@ -99,7 +99,7 @@ class PageCache(Protocol):
     def request_started(self, request: str) -> None: ...
     def request_finished(self, request: str) -> int: ...
     def lookup(self, group: int, keys: Sequence[bytes], *, ram: bool = True,
-               below_ram: bool = True) -> list[str | None]: ...
+               below_ram: bool = True, prefix: bool = False) -> list[str | None]: ...
     def prefetch(self, group: int, keys: Sequence[bytes], where: Sequence[str | None]) -> int: ...
     def prepare_load(self, wanted: Mapping[int, Sequence[bytes]], request: str | None = None,
                      where: Mapping[int, Sequence[str | None]] | None = None) -> Load | None: ...
@@ -249,16 +249,33 @@ class TieredCache:
 
     # -- where is a page? -------------------------------------------------------------------
     def lookup(self, group: int, keys: Sequence[bytes], *, ram: bool = True,
-               below_ram: bool = True) -> list[str | None]:
+               below_ram: bool = True, prefix: bool = False) -> list[str | None]:
         """The tier holding each key (RAM first, then the fastest secondary), or None.
         ``below_ram=False`` asks RAM only and ``ram=False`` the secondary tiers only (one
-        batch each), for callers that consult the slower tiers about a few keys later."""
+        batch each), for callers that consult the slower tiers about a few keys later.
+        ``prefix``: only the run of keys from the first is of use (attention pages), so the
+        slower tiers are first asked about the first key RAM lacks alone, and where none
+        holds it, about nothing after it (a miss asks them about one key, not the prompt's)."""
         where: list[str | None] = [None] * len(keys)
         if ram:
             pool = self.pools.pool(group)
             where = [RAM if pool.lookup(k) is Lookup.HIT else None for k in keys]
             self.counters[RAM].misses += where.count(None)
-        for tier in self.secondaries if below_ram else ():
+        if not below_ram:
+            return where
+        if prefix and None in where:
+            first = where.index(None)
+            probe: list[str | None] = [None]
+            self._ask_secondaries(group, [keys[first]], probe)
+            if probe[0] is None:          # keys past it are of no use: RAM's answers stand
+                return where
+            where[first] = probe[0]
+        self._ask_secondaries(group, keys, where)
+        return where
+
+    def _ask_secondaries(self, group: int, keys: Sequence[bytes], where: list[str | None]) -> None:
+        """Fill in ``where`` (one entry a key) for the keys it has no tier for: one batch a tier."""
+        for tier in self.secondaries:
             missing = [i for i, w in enumerate(where) if w is None]
             if not missing:
                 break
@@ -267,7 +284,6 @@ class TieredCache:
                 if ok:
                     where[i] = tier.name
             self.counters[tier.name].misses += len(missing) - sum(found)
-        return where
 
     # -- loads ------------------------------------------------------------------------------
     def prepare_load(self, wanted: Mapping[int, Sequence[bytes]], request: str | None = None,

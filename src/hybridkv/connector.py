@@ -224,11 +224,13 @@ class Connector:
 
     def look_again(self, req: RequestState, salt: str | None = None, extra: bytes | None = None) -> bool:
         """An engine asks again about a request it has not scheduled yet, nothing pinned for
-        it: find its hit afresh (pages stored since count) over the keys it has. False where
-        those no longer hold (another salt or extra, or a reset since): ``begin`` it anew."""
+        it: find its hit afresh (pages stored since count) over the keys it has, under the
+        retention now in force (as ``begin`` would). False where the keys no longer hold
+        (another salt or extra, or a reset since): ``begin`` it anew."""
         if not self._keys_hold(req, salt, extra):
             return False
         req.hit = self._find_hit(req)
+        req.retention = self.retention
         return True
 
     def _keys_hold(self, req: RequestState, salt: str | None, extra: bytes | None) -> bool:
@@ -298,8 +300,9 @@ class Connector:
                 where[g.id] = located[g.id]
             else:
                 upto = cap if g.kind is GroupKind.ATTENTION else max(reach, skip)
-                where[g.id] = ([None] * skip + self.cache.lookup(g.id, req.keys[skip:upto], below_ram=not state)
-                               + [None] * (cap - upto))
+                found = self.cache.lookup(g.id, req.keys[skip:upto], below_ram=not state,
+                                          prefix=g.kind is GroupKind.ATTENTION)
+                where[g.id] = [None] * skip + found + [None] * (cap - upto)
             if g.kind is GroupKind.ATTENTION and None in where[g.id][local:reach]:
                 reach = where[g.id].index(None, local)
             if state:

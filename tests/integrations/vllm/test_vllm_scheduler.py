@@ -3,6 +3,7 @@ allocation, the step plans, the worker's report. vLLM's own config and KV-cache 
 disk store; one request at a time, so that every path (landed, failed, aborted) is certain."""
 
 import json
+import threading
 import time
 from types import SimpleNamespace
 
@@ -206,6 +207,27 @@ def test_a_request_asked_about_again_while_waiting_keeps_its_state_and_finds_pag
     side.close()
 
 
+def test_a_hit_vllm_declined_does_not_make_the_next_ask_load_within_the_step(stored):
+    """vLLM took its own hit instead of one to load within the step, then asks again about
+    the request while its pages are only on disk: that load must wait for the reads in a
+    step of its own, not run in the step from slots not yet filled."""
+    tmp_path, _ = stored
+    side = scheduler(tmp_path)
+    side.on_report(WorkerReport({0: RankReport(mapped=True)}))
+    warm = side.connector.begin("warm", PROMPT)
+    assert side.connector.load(warm) is not None                  # the pages are in RAM now
+    side.connector.finish(warm)
+    assert side.match(request(), 0) == 3 * B and side.loads_within_step("r")
+    side.allocated(request(), BLOCK_IDS, 0)                        # vLLM chose its local hit
+    side.cache.forget_ram()                                        # RAM lost them; disk has them
+    assert side.match(request(), 0) == 3 * B                      # asked again
+    assert not side.loads_within_step("r")
+    side.allocated(request(), BLOCK_IDS, 3 * B)
+    assert not side.plan_step({"r": (3 * B, 3 * B + 1)}, lambda rid: BLOCK_IDS, {}).loads_within_step
+    side.cache.drain()
+    side.close()
+
+
 def test_a_step_asks_vllm_for_block_ids_only_where_it_completes_a_prompt_block(tmp_path):
     side = fresh_scheduler(tmp_path)
     side.match(request(), 0)
@@ -320,9 +342,16 @@ def test_the_stats_file_is_rewritten_at_most_once_an_interval_and_at_close(tmp_p
     assert [r["request"] for r in json.loads(path.read_text())["requests"]] == ["a", "b"]
 
 
-def test_the_stats_file_is_written_off_the_engine_loop_from_a_snapshot(tmp_path):
+def test_the_stats_file_is_written_off_the_engine_loop_from_a_snapshot(tmp_path, monkeypatch):
     """The writer thread serializes what ``finish`` handed it, however the engine's counters
-    move on meanwhile."""
+    move on meanwhile (the thread is held until they have)."""
+    moved_on = threading.Event()
+
+    def dumps_once_the_engine_moved_on(summary, **kwargs):
+        assert moved_on.wait(10)
+        return json.dumps(summary, **kwargs)
+
+    monkeypatch.setattr(stats_file_module, "json", SimpleNamespace(dumps=dumps_once_the_engine_moved_on))
     path = tmp_path / "stats.json"
     side = scheduler(tmp_path, stats_file=str(path))
     side.count_hook("get_num_new_matched_tokens", 0.5)
@@ -330,6 +359,7 @@ def test_the_stats_file_is_written_off_the_engine_loop_from_a_snapshot(tmp_path)
     side.finish("a")
     side.count_hook("get_num_new_matched_tokens", 0.25)      # after the snapshot was taken
     side.count_hook("build_connector_meta", 0.125)
+    moved_on.set()
     side.stats_file.wait()
     assert json.loads(path.read_text())["vllm"]["hook_s"] == {"get_num_new_matched_tokens": 0.5}
     side.close()

@@ -169,7 +169,9 @@ class SchedulerSide:
         tokens = request.prompt_token_ids
         salt, extra = request_identity(request)
         ctx = self._requests.get(rid)
-        if ctx is None or not self._look_again(ctx, tokens, num_computed_tokens, salt, extra):
+        if ctx is not None and self._look_again(ctx, tokens, num_computed_tokens, salt, extra):
+            state = ctx.state             # (its record starts afresh: vLLM may have declined a hit)
+        else:
             if ctx is not None:           # asked again (allocated, or preempted): start over
                 self.finish(rid, final=False)
             if not tokens:
@@ -179,8 +181,7 @@ class SchedulerSide:
             again = ctx.state if ctx is not None and ctx.tokens is tokens else None
             state = self.connector.begin(rid, tokens, salt, extra=extra, local_tokens=num_computed_tokens,
                                          again=again)
-            ctx = self._requests[rid] = _Request(state, tokens, num_computed_tokens)
-        state = ctx.state
+        ctx = self._requests[rid] = _Request(state, tokens, num_computed_tokens)
         self._ask_for_state(request, state)
         if state.hit.tokens <= num_computed_tokens or rid in self._failed_loads:
             return 0                      # (a failed load would only fail again: vLLM recomputes)

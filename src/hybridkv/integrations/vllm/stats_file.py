@@ -46,7 +46,10 @@ class StatsFile:
     def write_soon(self, summary: dict) -> None:
         """Hand ``summary`` (containers nothing else changes) to the writer thread."""
         self._written = time.monotonic()
-        self._pending = self._pool.submit(self._write, summary)
+        try:
+            self._pending = self._pool.submit(self._write, summary)
+        except RuntimeError:          # the interpreter is shutting down: no thread takes it
+            self._write(summary)
 
     def write_now(self, summary: dict) -> None:
         """Write ``summary`` before returning (after any write in flight), then stop the thread."""
@@ -66,11 +69,11 @@ class StatsFile:
             with os.fdopen(fd, "w") as f:
                 f.write(json.dumps(summary, default=str))
             os.replace(tmp, self.path)
-        except OSError as e:
+        except Exception as e:        # a full disk, a gone directory: logged, never raised
             if tmp is not None:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
             if not self.errors:
                 log.warning("hybridkv: cannot write stats_file %s (%s); serving on without it",
-                            self.path, e.strerror or e)
+                            self.path, getattr(e, "strerror", None) or e)
             self.errors += 1
