@@ -367,6 +367,16 @@ def test_the_stats_file_is_written_off_the_engine_loop_from_a_snapshot(tmp_path,
                                                               "build_connector_meta": 0.125}
 
 
+def test_a_stats_file_handed_over_once_its_writer_stopped_is_written_in_the_callers_thread(tmp_path):
+    """At interpreter exit no thread takes new work: a summary handed over then is written at
+    once, never raised into vLLM's request_finished."""
+    path = tmp_path / "stats.json"
+    writer = stats_file_module.StatsFile(path)
+    writer.write_now({"n": 1})                   # the engine stopped: the writer thread is gone
+    writer.write_soon({"n": 2})
+    assert json.loads(path.read_text()) == {"n": 2} and writer.errors == 0
+
+
 def test_the_stats_file_never_follows_a_link_planted_beside_it(tmp_path):
     """In a shared directory such as /tmp another user could plant a link at a predictable
     temp name; the engine (often root) would then overwrite the link's target."""
