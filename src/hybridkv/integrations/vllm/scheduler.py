@@ -48,6 +48,7 @@ from hybridkv.integrations.vllm.stopping import drain_before_stop
 
 log = logging.getLogger(__name__)
 
+
 @dataclass
 class _Request:
     state: RequestState
