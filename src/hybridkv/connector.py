@@ -175,6 +175,8 @@ class Connector:
                           and not self.retention.dense else None)
         self._observed = RecentIds()       # request ids the alignment learned from
         self.groups = self.layout.cacheable_groups
+        # attention groups first: no hit reaches past the first block one of them lacks
+        self._lookup_order = sorted(self.groups, key=lambda g: g.kind is not GroupKind.ATTENTION)
         self.token_groups = [g.id for g in self.groups if g.is_token_group]
         self.state_groups = [g.id for g in self.groups if g.kind is GroupKind.STATE]
         self.stats = {"requests": 0, "hit_tokens": 0, "prompt_tokens": 0, "offers_retried": 0,
@@ -293,7 +295,7 @@ class Connector:
         local = min(req.local_blocks, cap)
         where, lazy = {}, {}
         reach = cap
-        for g in sorted(self.groups, key=lambda g: g.kind is not GroupKind.ATTENTION):
+        for g in self._lookup_order:
             skip = local if g.is_token_group else 0   # token pages the engine holds are not looked up
             state = g.kind is GroupKind.STATE
             if located and g.id in located:     # token groups ``begin`` looked up already

@@ -43,17 +43,22 @@ def page(side, gid, seed):
     return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
 
 
-@pytest.fixture
-def stored(tmp_path):
-    """PROMPT's three attention blocks and its state at 3B on disk, written by a first server."""
-    side = scheduler(tmp_path)
+def store_prompt(side) -> list[bytes]:
+    """PROMPT's three attention blocks and its state at 3B, stored by request "writer"; its keys."""
     conn = side.connector
     state = conn.begin("writer", PROMPT)
     for b in range(3):
         conn.offer_block(state, b, {1: page(side, 1, b)})
     conn.offer_state(state, 3 * B, {0: page(side, 0, 99)})
     conn.finish(state)
-    keys = state.keys
+    return state.keys
+
+
+@pytest.fixture
+def stored(tmp_path):
+    """PROMPT's pages on disk, written by a first server."""
+    side = scheduler(tmp_path)
+    keys = store_prompt(side)
     side.close()
     return tmp_path, keys
 
@@ -193,11 +198,7 @@ def test_a_request_asked_about_again_while_waiting_keeps_its_state_and_finds_pag
     waiting = request("waiting")
     assert side.match(waiting, 0) == 0
     first = side.connector.stats["requests"]
-    writer = side.connector.begin("writer", PROMPT)
-    for b in range(3):
-        side.connector.offer_block(writer, b, {1: page(side, 1, b)})
-    side.connector.offer_state(writer, 3 * B, {0: page(side, 0, 99)})
-    side.connector.finish(writer)
+    store_prompt(side)
     assert side.match(waiting, 0) == 3 * B           # not scheduled in between: asked again
     assert side.connector.stats["requests"] == first + 1      # the writer's begin, not a second one
     side.allocated(waiting, BLOCK_IDS, 3 * B)

@@ -204,8 +204,8 @@ class SchedulerSide:
         """vLLM asks each step about a request it could not schedule (about one a step under
         load). With the same prompt list, the same local prefix and nothing pinned or loaded
         for it, the request keeps its state and only its hit is found afresh: finishing,
-        keying and beginning it again cost ~100 µs a time, a sixth of the lookups' time on
-        unique prompts."""
+        keying and beginning it again cost ~100 µs a time (on unique prompts the lookups took
+        12% less time without it)."""
         return (ctx.tokens is tokens and ctx.local_tokens == num_computed_tokens and not ctx.pinned
                 and not ctx.loaded_tokens and self.connector.look_again(ctx.state, salt, extra))
 

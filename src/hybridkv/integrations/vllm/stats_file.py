@@ -52,8 +52,8 @@ class StatsFile:
             self._write(summary)
 
     def write_now(self, summary: dict) -> None:
-        """Write ``summary`` before returning (after any write in flight), then stop the thread."""
-        self.wait()
+        """Write ``summary`` before returning, once the write in flight (if any) landed and
+        the thread stopped."""
         self._pool.shutdown()
         self._write(summary)
 
