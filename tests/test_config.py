@@ -78,7 +78,15 @@ def test_retention_parsing():
     assert parse_retention(512) == 512
     with pytest.raises(HybridKVError):
         parse_retention(-64)
-    assert CacheConfig().retention == 0
+    assert parse_retention("Auto") == "auto"
+
+
+def test_default_retention_is_a_state_every_16k_tokens_on_any_block_size():
+    assert CacheConfig().retention == 16384                      # 64-token blocks divide it
+    assert CacheConfig(block_tokens=544).retention == 30 * 544    # the nearest multiple, 16,320
+    assert CacheConfig(block_tokens=40000).retention == 40000     # one block at the least
+    assert CacheConfig(retention="auto", block_tokens=256).retention == 16384
+    assert CacheConfig(retention=0).retention == 0 and CacheConfig(retention="dense").retention is None
 
 
 def test_state_align_is_learned_unless_given():

@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 
 from hybridkv.core.errors import HybridKVError
 from hybridkv.core.layout import Layout, layout_from_dict
+from hybridkv.core.retention import AUTO, resolve_interval
 from hybridkv.core.sizes import parse_size
 from hybridkv.ram.policies import POLICIES
 
@@ -27,22 +28,25 @@ except ModuleNotFoundError:  # Python 3.10
 DURABILITY = ("none", "fsync")
 
 
-def parse_retention(value) -> int | None:
-    """``dense``/``none`` -> None (a state at every boundary); else tokens >= 0."""
+def parse_retention(value) -> int | str | None:
+    """``dense``/``none`` -> None (a state at every boundary); ``auto`` -> ``AUTO`` (resolved
+    against the block size by ``resolve_interval``); else tokens >= 0."""
     if value is None:
         return None
     if isinstance(value, str):
         text = value.strip().lower()
         if text in ("dense", "none", "null"):
             return None
+        if text == AUTO:
+            return AUTO
         try:
             value = int(text)
         except ValueError:
             raise HybridKVError(
-                f"retention: cannot read {value!r}; use dense, 0 (semantic) or a token interval"
+                f"retention: cannot read {value!r}; use auto, dense, 0 (semantic) or a token interval"
             ) from None
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise HybridKVError(f"retention: {value!r} is invalid; use dense, 0 or a positive interval")
+        raise HybridKVError(f"retention: {value!r} is invalid; use auto, dense, 0 or a positive interval")
     return value
 
 
@@ -70,7 +74,7 @@ class CacheConfig:
     block_tokens: int = setting(64, "tokens per block (default 64)")
     ram_bytes: int = setting(256 * 1024**2, "RAM tier budget per worker, e.g. 4GiB (default 256MiB)")
     eviction: str = setting("lru", f"RAM eviction policy: {' or '.join(POLICIES)} (default lru)")
-    retention: int | None = setting(0, "recurrent states kept: dense, 0 (semantic, default) or an interval in tokens")
+    retention: int | None = setting(AUTO, "recurrent states kept besides each prompt's own and the junctions: auto (default: one every ~16K tokens), 0 (none), every N tokens, or dense (one at every block)")
     tail_states: int = setting(1, "states also kept this many blocks before each prompt's end, for follow-ups that change its last block (default 1)")
     state_align: int | None = setting(None, "where each prompt's own state is kept: auto (default, learned from where prompts diverge), 0 (its replay boundary) or N (the deepest multiple of N tokens)")
     reference_tokens: int | None = setting(None, "typical request length the pools are sized for (default: the model's maximum)")
@@ -90,6 +94,7 @@ class CacheConfig:
             object.__setattr__(self, name, _coerce(name, getattr(self, name)))
         if isinstance(self.block_tokens, bool) or not isinstance(self.block_tokens, int) or self.block_tokens <= 0:
             raise HybridKVError(f"block_tokens must be a positive integer, got {self.block_tokens!r}")
+        object.__setattr__(self, "retention", resolve_interval(self.retention, self.block_tokens))
         if self.ram_bytes <= 0:
             raise HybridKVError("ram_bytes must be > 0; give the RAM tier a budget such as 1GiB")
         if self.eviction not in POLICIES:

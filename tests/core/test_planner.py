@@ -78,7 +78,7 @@ def test_no_cacheable_group():
 
 def test_cli_plan_json():
     import json
-    proc = cli("plan", "--layout", LAYOUTS / "seed-flash-next.json", "--budget", "4GiB", "--json")
+    proc = cli("plan", "--layout", LAYOUTS / "seed-flash-next.json", "--budget", "4GiB", "--retention", "0", "--json")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["token_slots"] == 390 and out["retention"] == 0 and out["reference_tokens"] == 65536
@@ -87,6 +87,9 @@ def test_cli_plan_json():
     proc = cli("plan", "--layout", LAYOUTS / "seed-flash-next.json", "--budget", "4GiB",
                    "--retention", "dense", "--json")
     assert json.loads(proc.stdout)["retention"] is None
+    # by default a state every 16K tokens too: four more per 65,536-token prompt, fewer KV slots
+    default = json.loads(cli("plan", "--layout", LAYOUTS / "seed-flash-next.json", "--budget", "4GiB", "--json").stdout)
+    assert default["retention"] == 21 * 784 and default["token_slots"] < out["token_slots"]   # 784-token blocks
 
 
 def test_cli_plan_table():

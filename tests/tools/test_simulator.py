@@ -7,6 +7,7 @@ import pytest
 from hybridkv.connector import Connector
 from hybridkv.core.errors import HybridKVError
 from hybridkv.core.layout import layout_from_dict
+from hybridkv.core.retention import Retention
 from hybridkv.tools.policy_compare import compare, table
 from hybridkv.tools.simulator import Policy, PrefixTruth, policy, replay, workload_prompts
 from hybridkv.tools.traces import read_trace, write_mooncake
@@ -146,8 +147,9 @@ def test_compare_runs_every_policy_under_the_unlimited_ceiling(tmp_path):
     c = compare(LAYOUT, prompts, budgets, "multi_turn", reference_tokens=2048)
     out = c.to_json()
     assert set(out["policies"]) == {"dense", "vllm-align", "semantic", "semantic-tail", "periodic-4096",
-                                    "periodic-16384", "aligned-periodic-16384", "marconi", "semantic-aligned"}
-    assert out["recommended"] == "semantic-aligned" and c.wrong_hits() == 0
+                                    "periodic-16384", "semantic-aligned", "aligned-periodic-8192", "marconi",
+                                    "aligned-periodic"}
+    assert out["recommended"] == "aligned-periodic" and c.wrong_hits() == 0
     for rates in [p["token_hit_rate"] for p in out["policies"].values()] + [out["ceiling_equal_bytes"]]:
         assert len(rates) == 3 and all(0 <= r <= out["ceiling_unlimited"] for r in rates)
     assert out["ceiling_equal_bytes"][-1] > 0 and len(out["best"]) == 3
@@ -173,7 +175,7 @@ def test_simulate_cli_compare_json_and_plot(tmp_path):
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["budgets"] == [4 * 1024**2, 64 * 1024**2]
-    assert set(out["policies"]) == {"semantic", "vllm-align", "semantic-aligned"}
+    assert set(out["policies"]) == {"semantic", "vllm-align", "aligned-periodic"}
     assert chart.stat().st_size > 1000
     single = cli("simulate", "--trace", trace, "--layout", layout, "--ram-bytes", "64MiB", "--policy", "dense")
     assert single.returncode == 0 and "wrong hits 0" in single.stdout, single.stderr
@@ -193,6 +195,9 @@ def test_policy_objects_name_what_they_keep():
     assert both == Policy("aligned-periodic-2048", retention=2048, tail=1, align=None)
     keeper = both.keeper(256)
     assert keeper.keeps(2048, 5000) and keeper.keeps(4608, 5000) and not keeper.keeps(3072, 5000)
+    default = policy("aligned-periodic")           # hybridkv's default: about 16K tokens on any block
+    assert default.interval(256) == 16384 and default.interval(544) == 30 * 544
+    assert default.keeper(256) == Retention(256, 16384, tail=1)
     for bad in ("aligned-periodic-", "aligned-periodic-0", "periodic-x"):
         with pytest.raises(HybridKVError, match="unknown"):
             policy(bad)

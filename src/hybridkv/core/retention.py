@@ -13,6 +13,20 @@ from dataclasses import dataclass
 from hybridkv.core.errors import HybridKVError
 from hybridkv.core.layout import Group, GroupKind
 
+AUTO = "auto"
+DEFAULT_INTERVAL_TOKENS = 16384
+
+
+def resolve_interval(retention: int | str | None, block_tokens: int) -> int | None:
+    """``auto`` (the default retention): a state every ~16K tokens besides the prompt's own
+    and the junctions, at the multiple of the block nearest 16,384. Replaying the public
+    traces, that interval restored the most of 4K-32K (long sessions branch inside earlier
+    turns, where a periodic state serves the second occurrence and a junction only the third)
+    and changed nothing where prompts are shorter. Other values pass through."""
+    if retention != AUTO:
+        return retention
+    return max(1, round(DEFAULT_INTERVAL_TOKENS / block_tokens)) * block_tokens
+
 
 def replay_boundary(n_tokens: int, block_tokens: int) -> int:
     """Deepest boundary a repeat of the prompt can resume from (the last token is recomputed)."""

@@ -6,6 +6,7 @@ Every user mistake is a HybridKVError, printed as one line with exit status 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -37,10 +38,12 @@ class _Parser(argparse.ArgumentParser):
 def _cmd_plan(args) -> int:
     from hybridkv.config import load_layout, parse_retention
     from hybridkv.core.planner import plan_pools
+    from hybridkv.core.retention import resolve_interval
 
     layout = load_layout(args.layout)
     plan = plan_pools(
-        layout, parse_size(args.budget, "--budget"), parse_retention(args.retention),
+        layout, parse_size(args.budget, "--budget"),
+        resolve_interval(parse_retention(args.retention), layout.block_tokens),
         args.reference_tokens, args.engine_block_tokens,
     )
     if args.json:
@@ -294,7 +297,7 @@ def _cmd_layout(args) -> int:
 def _cmd_simulate(args) -> int:
     from hybridkv.config import load_layout
     from hybridkv.tools import policy_compare
-    from hybridkv.tools.simulator import Policy, policy, reference_tokens, replay, workload_prompts
+    from hybridkv.tools.simulator import policy, reference_tokens, replay, workload_prompts
     from hybridkv.tools.traces import read_trace
 
     if bool(args.trace) == bool(args.workload):
@@ -329,8 +332,10 @@ def _cmd_simulate(args) -> int:
         return 1 if c.wrong_hits() else 0
     from hybridkv.config import parse_retention
 
-    pol = policy(args.policy) if args.policy else Policy(
-        "custom", retention=parse_retention(args.retention), eviction=args.eviction)
+    pol = policy(args.policy or policy_compare.RECOMMENDED)
+    if not args.policy and (args.retention is not None or args.eviction != "lru"):   # the default, changed
+        pol = dataclasses.replace(pol, name="custom", eviction=args.eviction,
+                                  retention=pol.retention if args.retention is None else parse_retention(args.retention))
     rows = [replay(layout, prompts, b, pol, name, reference, progress=not args.json).to_dict() for b in budgets]
     if args.json:
         print(json.dumps(rows))
@@ -362,7 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="size the RAM pools of a layout for a byte budget")
     p.add_argument("--layout", required=True, help="layout JSON file (see docs/layout.md)")
     p.add_argument("--budget", required=True, help="bytes per worker, e.g. 4GiB")
-    p.add_argument("--retention", default="0", help="dense, 0 (semantic, default) or N tokens")
+    p.add_argument("--retention", default="auto", help="auto (default: a state every ~16K tokens), 0, N tokens or dense")
     p.add_argument("--reference-tokens", type=_positive_int, help="typical request length (default: max_model_len)")
     p.add_argument("--engine-block-tokens", type=_positive_int, help="the engine's own block size, to check")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -432,9 +437,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ram-bytes", default="32GiB,128GiB,512GiB", help="RAM budget, or a comma list to sweep")
     p.add_argument("--reference-tokens", type=_positive_int,
                    help="context length the pools are planned for (default: the trace's mean prompt)")
-    p.add_argument("--policy", help="a named policy: dense, vllm-align, semantic, semantic-tail, semantic-aligned (hybridkv's default), periodic-N, aligned-periodic-N, marconi")
-    p.add_argument("--retention", default="0", help="without --policy: dense, 0 (semantic) or an interval")
-    p.add_argument("--eviction", default="lru", choices=["lru", "arc"], help="without --policy")
+    p.add_argument("--policy", help="a named policy: dense, vllm-align, semantic, semantic-tail, semantic-aligned, periodic-N, aligned-periodic-N, marconi, or aligned-periodic (hybridkv's default, the one replayed without --policy)")
+    p.add_argument("--retention", help="without --policy: the default with this retention (auto, 0, N tokens or dense)")
+    p.add_argument("--eviction", default="lru", choices=["lru", "arc"], help="without --policy: the default with this eviction")
     p.add_argument("--compare", action="store_true", help="every policy and the ceilings in one table")
     p.add_argument("--policies", help="with --compare: a comma list instead of the default set")
     p.add_argument("--plot", help="with --compare: write a PNG chart here")

@@ -24,7 +24,7 @@ from hybridkv.core.planner import default_reference_tokens, plan_pools
 from hybridkv.tools.simulator import RECOMMENDED, Policy, SimResult, policy, replay
 
 DEFAULT_POLICIES = ("dense", "vllm-align", "semantic", "semantic-tail", "periodic-4096", "periodic-16384",
-                    "aligned-periodic-16384", "marconi", RECOMMENDED)
+                    "semantic-aligned", "aligned-periodic-8192", "marconi", RECOMMENDED)
 MARCONI_ALPHAS = (0.0, 0.5, 1.0, 2.0, 4.0)
 TUNING_SHARE = 0.15
 
@@ -97,7 +97,7 @@ def compare(layout: Layout, prompts: Sequence[np.ndarray], budgets: Sequence[int
     names = list(dict.fromkeys([*policies, RECOMMENDED]))
     rec = policy(RECOMMENDED)
     token_bytes = sum(g.page_bytes for g in layout.cacheable_groups if g.is_token_group)
-    shares = [plan_pools(layout, b, rec.retention, reference_tokens, None, rec.tail).token_slots * token_bytes
+    shares = [plan_pools(layout, b, rec.interval(layout.block_tokens), reference_tokens, None, rec.tail).token_slots * token_bytes
               for b in budgets]
     kv_only = Policy("attention-only ceiling", states=False)
     # (result row, policy, budget, reference_tokens: None as a cache not told it)

@@ -27,7 +27,7 @@ from hybridkv.config import CacheConfig
 from hybridkv.connector import Connector
 from hybridkv.core.errors import HybridKVError
 from hybridkv.core.layout import GroupKind, Layout
-from hybridkv.core.retention import Retention, replay_boundary
+from hybridkv.core.retention import AUTO, Retention, replay_boundary, resolve_interval
 from hybridkv.ram.policies import CostAwareLRU, EvictionPolicy
 from hybridkv.ram.regions import PagelessRegion
 from hybridkv.tools.traces import read_trace, write_mooncake
@@ -54,14 +54,15 @@ class PromptEndOnly(Retention):
 
 @dataclass(frozen=True)
 class Policy:
-    """``retention``: dense (None), 0 (semantic) or an interval; ``junctions``: keep a state
+    """``retention``: dense (None), 0 (semantic), an interval or ``auto`` (the default's, about
+    16K tokens, resolved against the layout's block); ``junctions``: keep a state
     where attention reached deeper than any state; ``eviction``: lru, arc or ``flop`` (recency
     weighed against recompute FLOPs saved per byte, ``alpha`` the weight); ``states=False``
     makes state pages cost nothing (the attention-only ceiling); ``align``: where each
     prompt's own state sits (0: its replay boundary, None: learned from the traffic)."""
 
     name: str
-    retention: int | None = 0
+    retention: int | str | None = 0
     junctions: bool = True
     eviction: str = "lru"
     alpha: float = 0.0
@@ -69,19 +70,23 @@ class Policy:
     tail: int = 0
     align: int | None = 0
 
+    def interval(self, block_tokens: int) -> int | None:
+        return resolve_interval(self.retention, block_tokens)
+
     def keeper(self, block_tokens: int) -> Retention:
         kind = Retention if self.junctions else PromptEndOnly
-        return kind(block_tokens, self.retention, self.tail, self.align or 0)
+        return kind(block_tokens, self.interval(block_tokens), self.tail, self.align or 0)
 
 
-RECOMMENDED = "semantic-aligned"
+RECOMMENDED = "aligned-periodic"
 POLICY_NAMES = ("dense", "vllm-align", "semantic", "semantic-tail", "semantic-aligned", "periodic-N",
-                "aligned-periodic-N", "marconi")
+                "aligned-periodic", "aligned-periodic-N", "marconi")
 
 
 def policy(name: str) -> Policy:
     """A named policy: dense, vllm-align, semantic, semantic-tail, semantic-aligned,
-    periodic-N (N tokens), aligned-periodic-N (semantic-aligned plus a state every N) or marconi."""
+    periodic-N (N tokens), aligned-periodic-N (semantic-aligned plus a state every N),
+    aligned-periodic (hybridkv's default: N about 16K tokens) or marconi."""
     if name == "dense":
         return Policy(name, retention=None)
     if name == "vllm-align":
@@ -90,8 +95,10 @@ def policy(name: str) -> Policy:
         return Policy(name)
     if name == "semantic-tail":       # semantic plus the state a block before the end
         return Policy(name, tail=1)
-    if name == "semantic-aligned":    # hybridkv's default: semantic-tail until it learns where prompts diverge
+    if name == "semantic-aligned":    # semantic-tail until it learns where prompts diverge
         return Policy(name, tail=1, align=None)
+    if name == "aligned-periodic":    # hybridkv's default
+        return Policy(name, retention=AUTO, tail=1, align=None)
     if name == "marconi":     # branch-point states (junctions) and FLOP-aware eviction
         return Policy(name, eviction="flop", alpha=1.0)
     for prefix, base in (("periodic-", "semantic"), ("aligned-periodic-", "semantic-aligned")):
@@ -183,7 +190,7 @@ def replay(layout: Layout, requests: Sequence[np.ndarray] | Iterable[np.ndarray]
         layout = attention_only(layout)
     B = layout.block_tokens
     config = CacheConfig(block_tokens=B, ram_bytes=budget_bytes, eviction="lru" if pol.eviction == "flop"
-                         else pol.eviction, retention=pol.retention, tail_states=pol.tail, state_align=pol.align,
+                         else pol.eviction, retention=pol.interval(B), tail_states=pol.tail, state_align=pol.align,
                          reference_tokens=reference_tokens)
     flop_aware = pol.eviction == "flop"
     block_cost, state_cost = {}, {}      # key -> recompute FLOPs its page saves, per byte
