@@ -210,10 +210,11 @@ tokens, 74.25 MiB per state position), replayed through the real connector over 
 cache. `dense` keeps a state at every block; `vllm-align` one at each prompt's replay boundary
 (vLLM's own hybrid caching); `semantic` adds junctions (a state where a later prompt's
 attention reached deeper than any state); `semantic-tail` also keeps the state one block before
-the replay boundary; `semantic-aligned` (hybridkv's default) is `semantic-tail` until it has seen
-where prompts diverge, then keeps each prompt's state at the deepest multiple of the chunk they
-diverge at (without tail states when that chunk is longer than a block); `periodic-N` adds one
-every N tokens to `semantic`, `aligned-periodic-N` to `semantic-aligned`; `marconi` is semantic admission with
+the replay boundary; `semantic-aligned` is `semantic-tail` until it has seen where prompts
+diverge, then keeps each prompt's state at the deepest multiple of the chunk they diverge at
+(without tail states when that chunk is longer than a block); `periodic-N` adds one every N
+tokens to `semantic`, `aligned-periodic-N` to `semantic-aligned`; `aligned-periodic`
+(hybridkv's default) is `aligned-periodic-16384`; `marconi` is semantic admission with
 FLOP-aware eviction (recency against recompute saved per byte, its weight tuned on the first
 15% of the trace). The attention-only ceiling gives every byte to KV pages and has a state
 everywhere for free: no state policy can beat it at that budget. Wrong hits are hits deeper

@@ -139,8 +139,9 @@ class SchedulerSide:
         self._reported = {"loaded_tokens": 0, "stored_pages": 0, "engine_s": 0.0}   # at the last stats call
         atexit.register(self.close)      # background writes reach disk even without shutdown()
         check_vllm_version()
-        log.info("hybridkv: layout %s, %d groups, RAM %d B, tiers %s%s", self.layout.fingerprint(),
+        log.info("hybridkv: layout %s, %d groups, RAM %d B, retention %s, tiers %s%s", self.layout.fingerprint(),
                  len(self.layout.groups), config.ram_bytes,
+                 "dense" if config.retention is None else config.retention,
                  self.cache.tier_names[1:] or "RAM only",
                  ", disk/Redis reads in the background" if self.async_promotion and self._below_ram()
                  else "")
