@@ -82,11 +82,16 @@ def test_retention_parsing():
 
 
 def test_default_retention_is_a_state_every_16k_tokens_on_any_block_size():
-    assert CacheConfig().retention == 16384                      # 64-token blocks divide it
-    assert CacheConfig(block_tokens=544).retention == 30 * 544    # the nearest multiple, 16,320
-    assert CacheConfig(block_tokens=40000).retention == 40000     # one block at the least
-    assert CacheConfig(retention="auto", block_tokens=256).retention == 16384
-    assert CacheConfig(retention=0).retention == 0 and CacheConfig(retention="dense").retention is None
+    config = CacheConfig()
+    assert config.retention == "auto" and config.retention_tokens(64) == 16384   # 64 divides it
+    assert config.retention_tokens(544) == 30 * 544       # the nearest multiple, 16,320
+    assert config.retention_tokens(40000) == 40000        # one block at the least
+    assert CacheConfig(retention=0).retention_tokens(256) == 0
+    assert CacheConfig(retention="dense").retention_tokens(256) is None
+    # 'auto' stays auto: another block size later resolves anew instead of failing
+    assert config.replace(block_tokens=528).retention_tokens(528) == 31 * 528
+    with pytest.raises(HybridKVError, match="use auto, 0, dense"):
+        CacheConfig(retention=16384).replace(block_tokens=528)
 
 
 def test_state_align_is_learned_unless_given():

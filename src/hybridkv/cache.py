@@ -149,7 +149,7 @@ class TieredCache:
                  eviction: Callable[[int, int], EvictionPolicy] | None = None):
         self.layout, self.config = layout, config
         reference = config.reference_tokens or default_reference_tokens(layout)
-        self.plan = plan or plan_pools(layout, config.ram_bytes, config.retention, reference,
+        self.plan = plan or plan_pools(layout, config.ram_bytes, config.retention_tokens(layout.block_tokens), reference,
                                        config.engine_block_tokens, config.tail_states)
         self.pools = GroupedPools(self.plan.slots_per_group(), eviction or config.eviction)
         self.regions: dict[int, SharedRegion | PagelessRegion] = {}
@@ -211,7 +211,8 @@ class TieredCache:
         if coming is None or coming.plan.reference_tokens != reference_tokens:
             if coming is not None:
                 coming.discard()
-            plan = plan_pools(self.layout, self.config.ram_bytes, self.config.retention, reference_tokens,
+            plan = plan_pools(self.layout, self.config.ram_bytes, self.config.retention_tokens(self.layout.block_tokens),
+                              reference_tokens,
                               self.config.engine_block_tokens, self.config.tail_states)
             self._coming = coming = _RegionsInMaking(plan, self._make_regions, background=not self._pageless)
         if not coming.ready():

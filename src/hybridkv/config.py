@@ -74,7 +74,7 @@ class CacheConfig:
     block_tokens: int = setting(64, "tokens per block (default 64)")
     ram_bytes: int = setting(256 * 1024**2, "RAM tier budget per worker, e.g. 4GiB (default 256MiB)")
     eviction: str = setting("lru", f"RAM eviction policy: {' or '.join(POLICIES)} (default lru)")
-    retention: int | None = setting(AUTO, "recurrent states kept besides each prompt's own and the junctions: auto (default: one every ~16K tokens), 0 (none), every N tokens, or dense (one at every block)")
+    retention: int | str | None = setting(AUTO, "recurrent states kept besides each prompt's own and the junctions: auto (default: one every ~16K tokens), 0 (none), every N tokens, or dense (one at every block)")
     tail_states: int = setting(1, "states also kept this many blocks before each prompt's end, for follow-ups that change its last block (default 1)")
     state_align: int | None = setting(None, "where each prompt's own state is kept: auto (default, learned from where prompts diverge), 0 (its replay boundary) or N (the deepest multiple of N tokens)")
     reference_tokens: int | None = setting(None, "typical request length the pools are sized for (default: the model's maximum)")
@@ -94,15 +94,14 @@ class CacheConfig:
             object.__setattr__(self, name, _coerce(name, getattr(self, name)))
         if isinstance(self.block_tokens, bool) or not isinstance(self.block_tokens, int) or self.block_tokens <= 0:
             raise HybridKVError(f"block_tokens must be a positive integer, got {self.block_tokens!r}")
-        object.__setattr__(self, "retention", resolve_interval(self.retention, self.block_tokens))
         if self.ram_bytes <= 0:
             raise HybridKVError("ram_bytes must be > 0; give the RAM tier a budget such as 1GiB")
         if self.eviction not in POLICIES:
             raise HybridKVError(f"eviction {self.eviction!r} is unknown; use one of {', '.join(POLICIES)}")
-        if self.retention is not None and self.retention % self.block_tokens:
+        if self.retention not in (None, AUTO) and self.retention % self.block_tokens:
             raise HybridKVError(
                 f"retention {self.retention} is not a multiple of block_tokens {self.block_tokens}; "
-                f"use 0, dense or a multiple such as {self.block_tokens * 8}"
+                f"use auto, 0, dense or a multiple such as {self.block_tokens * 8}"
             )
         if isinstance(self.tail_states, bool) or not isinstance(self.tail_states, int) or self.tail_states < 0:
             raise HybridKVError(f"tail_states must be an integer >= 0, got {self.tail_states!r}")
@@ -139,6 +138,11 @@ class CacheConfig:
             raise HybridKVError(
                 f"remote_ttl_s must be > 0 seconds, got {self.remote_ttl_s}; or leave it out to keep "
                 "pages until Redis evicts them")
+
+    def retention_tokens(self, block_tokens: int) -> int | None:
+        """The retention interval for blocks of ``block_tokens`` (``auto`` resolved against the
+        block the cache works in: the layout's, which a caller may pair with another config)."""
+        return resolve_interval(self.retention, block_tokens)
 
     def replace(self, **changes) -> CacheConfig:
         return dataclasses.replace(self, **changes)

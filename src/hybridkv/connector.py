@@ -167,7 +167,7 @@ class Connector:
         self.layout: Layout = cache.layout
         self.B = self.layout.block_tokens
         config = cache.config
-        self.retention = retention or Retention(self.B, config.retention, config.tail_states)
+        self.retention = retention or Retention(self.B, config.retention_tokens(self.B), config.tail_states)
         self._tail = self.retention.tail
         # state_align: auto learns where prompts diverge (see DivergenceAlignment), unless the
         # caller chose the retention itself

@@ -57,6 +57,17 @@ def test_cache_start_up_refuses_the_same_sparse_mismatch(tmp_path):
         assert cache.plan.token_slots > 0
 
 
+def test_default_retention_follows_the_layouts_block_not_the_configs(tmp_path):
+    """A config left at its defaults (64-token blocks) on a 784-token layout: 'auto' is a state
+    every ~16K tokens of the layout's blocks, never a multiple of 64 the layout cannot keep."""
+    from hybridkv.cache import TieredCache
+    from hybridkv.config import CacheConfig
+
+    with TieredCache(load_layout(LAYOUTS / "seed-flash-next.json"),
+                     CacheConfig(ram_bytes="1GiB", ram_dir=str(tmp_path))) as cache:
+        assert cache.plan.retention == 21 * 784
+
+
 @pytest.mark.parametrize("kwargs, fragment", [
     ({"budget_bytes": 1000}, "cannot hold one slot per cacheable group"),
     ({"reference_tokens": 100}, "shorter than one block"),
@@ -87,7 +98,7 @@ def test_cli_plan_json():
     proc = cli("plan", "--layout", LAYOUTS / "seed-flash-next.json", "--budget", "4GiB",
                    "--retention", "dense", "--json")
     assert json.loads(proc.stdout)["retention"] is None
-    # by default a state every 16K tokens too: four more per 65,536-token prompt, fewer KV slots
+    # by default a state every ~16K tokens too: three more per 65,536-token prompt, fewer KV slots
     default = json.loads(cli("plan", "--layout", LAYOUTS / "seed-flash-next.json", "--budget", "4GiB", "--json").stdout)
     assert default["retention"] == 21 * 784 and default["token_slots"] < out["token_slots"]   # 784-token blocks
 

@@ -181,8 +181,20 @@ def test_simulate_cli_compare_json_and_plot(tmp_path):
     assert single.returncode == 0 and "wrong hits 0" in single.stdout, single.stderr
 
 
+def test_simulate_cli_replays_the_default_unless_told_otherwise(tmp_path):
+    trace = _trace(tmp_path, list(multi_turn_trace(sessions=12, turns=3, active=4)))
+    args = ("simulate", "--trace", trace, "--ram-bytes", "8GiB", "--json")
+    default, custom = cli(*args), cli(*args, "--retention", "0", "--eviction", "arc")
+    assert default.returncode == 0 == custom.returncode, default.stderr + custom.stderr
+    assert json.loads(default.stdout)[0]["policy"] == "aligned-periodic"
+    assert json.loads(cli(*args, "--retention", "auto").stdout)[0]["policy"] == "aligned-periodic"
+    assert json.loads(custom.stdout)[0]["policy"] == "custom"
+
+
 def test_simulate_cli_misuse(tmp_path):
     assert_one_line_error(cli("simulate"), "either --trace PATH or --workload NAME")
+    assert_one_line_error(cli("simulate", "--workload", "agentic", "--policy", "dense", "--retention", "0"),
+                          "leave them out with --policy or --compare")
     assert_one_line_error(cli("simulate", "--workload", "nope"), "workload 'nope' is unknown")
     assert_one_line_error(cli("simulate", "--workload", "agentic", "--ram-bytes", "lots"), "--ram-bytes")
     assert_one_line_error(cli("simulate", "--workload", "agentic", "--compare", "--policies", "best"),

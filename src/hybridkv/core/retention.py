@@ -51,7 +51,7 @@ class Retention:
         if self.interval is not None and (self.interval < 0 or self.interval % self.block_tokens):
             raise HybridKVError(
                 f"retention {self.interval} is not a multiple of the block size {self.block_tokens}; "
-                f"use 0, dense or e.g. {8 * self.block_tokens}"
+                f"use auto, 0, dense or e.g. {8 * self.block_tokens}"
             )
         if self.align < 0 or self.align % self.block_tokens:
             raise HybridKVError(f"state alignment {self.align} is not a multiple of the block size "

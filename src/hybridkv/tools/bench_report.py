@@ -214,7 +214,7 @@ the replay boundary; `semantic-aligned` is `semantic-tail` until it has seen whe
 diverge, then keeps each prompt's state at the deepest multiple of the chunk they diverge at
 (without tail states when that chunk is longer than a block); `periodic-N` adds one every N
 tokens to `semantic`, `aligned-periodic-N` to `semantic-aligned`; `aligned-periodic`
-(hybridkv's default) is `aligned-periodic-16384`; `marconi` is semantic admission with
+(hybridkv's default) is `aligned-periodic-16384` at these 256-token blocks; `marconi` is semantic admission with
 FLOP-aware eviction (recency against recompute saved per byte, its weight tuned on the first
 15% of the trace). The attention-only ceiling gives every byte to KV pages and has a state
 everywhere for free: no state policy can beat it at that budget. Wrong hits are hits deeper

@@ -302,6 +302,9 @@ def _cmd_simulate(args) -> int:
 
     if bool(args.trace) == bool(args.workload):
         raise HybridKVError("give either --trace PATH or --workload NAME")
+    if (args.policy or args.compare) and (args.retention is not None or args.eviction != "lru"):
+        raise HybridKVError("--retention and --eviction change the default policy; leave them out with "
+                            "--policy or --compare (e.g. --policy periodic-4096)")
     if args.layout:
         layout = load_layout(args.layout)
     elif args.model:
@@ -333,9 +336,10 @@ def _cmd_simulate(args) -> int:
     from hybridkv.config import parse_retention
 
     pol = policy(args.policy or policy_compare.RECOMMENDED)
-    if not args.policy and (args.retention is not None or args.eviction != "lru"):   # the default, changed
-        pol = dataclasses.replace(pol, name="custom", eviction=args.eviction,
-                                  retention=pol.retention if args.retention is None else parse_retention(args.retention))
+    if not args.policy:           # the default, with what --retention and --eviction change
+        changed = dataclasses.replace(pol, eviction=args.eviction, retention=pol.retention if args.retention is None
+                                      else parse_retention(args.retention))
+        pol = pol if changed == pol else dataclasses.replace(changed, name="custom")
     rows = [replay(layout, prompts, b, pol, name, reference, progress=not args.json).to_dict() for b in budgets]
     if args.json:
         print(json.dumps(rows))

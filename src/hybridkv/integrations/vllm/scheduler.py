@@ -141,7 +141,7 @@ class SchedulerSide:
         check_vllm_version()
         log.info("hybridkv: layout %s, %d groups, RAM %d B, retention %s, tiers %s%s", self.layout.fingerprint(),
                  len(self.layout.groups), config.ram_bytes,
-                 "dense" if config.retention is None else config.retention,
+                 "dense" if self.connector.retention.dense else self.connector.retention.interval,
                  self.cache.tier_names[1:] or "RAM only",
                  ", disk/Redis reads in the background" if self.async_promotion and self._below_ram()
                  else "")
