@@ -4,11 +4,13 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from hybridkv.cache import TieredCache
+from hybridkv.config import CacheConfig
 from hybridkv.connector import Connector
 from hybridkv.core.errors import HybridKVError
 from hybridkv.core.layout import layout_from_dict
 from hybridkv.core.retention import Retention
-from hybridkv.tools.policy_compare import compare, table
+from hybridkv.tools.policy_compare import changed_settings, compare, table
 from hybridkv.tools.simulator import Policy, PrefixTruth, policy, replay, workload_prompts
 from hybridkv.tools.traces import read_trace, write_mooncake
 from hybridkv.tools.workloads import WORKLOADS, agent_trace, multi_turn_trace, shared_system_prompt
@@ -154,6 +156,8 @@ def test_compare_runs_every_policy_under_the_unlimited_ceiling(tmp_path):
         assert len(rates) == 3 and all(0 <= r <= out["ceiling_unlimited"] for r in rates)
     assert out["ceiling_equal_bytes"][-1] > 0 and len(out["best"]) == 3
     assert all(0 < s < 1 for s in out["recommended_attention_share"])
+    assert [changed_settings(name) for name in out["best"]] == out["best_settings"]
+    assert "| best policy (settings beyond the defaults) | " in table(out)
     assert len(out["ceiling_at_recommended_attention_bytes"]) == 3
     # a cache not told the prompt length plans for the model's maximum (1M here), then learns
     assert out["default_reference_tokens"] == 1 << 20
@@ -199,6 +203,24 @@ def test_simulate_cli_misuse(tmp_path):
     assert_one_line_error(cli("simulate", "--workload", "agentic", "--ram-bytes", "lots"), "--ram-bytes")
     assert_one_line_error(cli("simulate", "--workload", "agentic", "--compare", "--policies", "best"),
                           "policy 'best' is unknown")
+
+
+@pytest.mark.parametrize("name", ["dense", "semantic", "semantic-tail", "semantic-aligned", "periodic-4096",
+                                  "aligned-periodic-2048", "aligned-periodic"])
+def test_a_policys_settings_make_a_cache_keep_what_the_policy_kept(name):
+    """What the comparison tells a user to set for a policy, given to a real cache, makes its
+    connector keep the same states the replay kept (and learn the alignment where it did)."""
+    pol = policy(name)
+    config = CacheConfig(block_tokens=B, ram_bytes=HUGE, reference_tokens=8192, **changed_settings(name))
+    with TieredCache(LAYOUT, config, secondaries=[], pageless=True) as cache:
+        conn = Connector(cache)
+        assert conn.retention == pol.keeper(B)
+        assert (conn.alignment is not None) == (pol.align is None and pol.retention is not None)
+
+
+def test_policies_no_setting_reproduces_say_so():
+    assert changed_settings("marconi") is None and changed_settings("vllm-align") is None
+    assert changed_settings("aligned-periodic") == {}
 
 
 def test_policy_objects_name_what_they_keep():

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from hybridkv.core.layout import Layout
 from hybridkv.core.planner import default_reference_tokens, plan_pools
-from hybridkv.tools.simulator import RECOMMENDED, Policy, SimResult, policy, replay
+from hybridkv.tools.simulator import RECOMMENDED, Policy, SimResult, policy, replay, settings
 
 DEFAULT_POLICIES = ("dense", "vllm-align", "semantic", "semantic-tail", "periodic-4096", "periodic-16384",
                     "semantic-aligned", "aligned-periodic-8192", "marconi", RECOMMENDED)
@@ -71,12 +71,26 @@ class Comparison:
             "recommended_attention_share": self.attention_share,
             "ceiling_at_recommended_attention_bytes": [r.token_hit_rate for r in self.share_ceiling],
             "recommended": self.recommended, "best": self.best(),
+            "best_settings": [changed_settings(name) for name in self.best()],
             "learned_state_align": [r.state_align_tokens for r in self.results[self.recommended]],
             "default_reference_tokens": self.default_reference,
             "recommended_at_default_reference": [r.token_hit_rate for r in self.at_default_reference],
             "learned_reference_tokens": [r.reference_tokens for r in self.at_default_reference],
             "requests": self.ceiling[0].requests, "prompt_tokens": self.ceiling[0].prompt_tokens,
         }
+
+
+def changed_settings(name: str) -> dict | None:
+    """What to set, beyond the defaults, for the cache to keep what policy ``name`` keeps;
+    None where no setting does (see ``settings``)."""
+    wanted, default = settings(policy(name)), settings(policy(RECOMMENDED))
+    return None if wanted is None else {k: v for k, v in wanted.items() if v != default[k]}
+
+
+def _how_to_run(name: str, changed: dict | None) -> str:
+    if changed is None:
+        return f"{name} (not a cache setting)"
+    return f"{name} ({', '.join(f'{k} = {v}' for k, v in changed.items()) or 'the defaults'})"
 
 
 def _tuned_marconi(layout: Layout, prompts: Sequence[np.ndarray], budget: int, reference_tokens: int) -> Policy:
@@ -143,6 +157,10 @@ def table(c: dict) -> str:
         f"{r / top:.2f}x" if top else "-" for r, top in zip(rec, ceiling, strict=True)) + " | | |")
     lines.append(f"| {c['recommended']} / ceiling at its KV bytes | " + " | ".join(
         f"{r / top:.2f}x" if top else "-" for r, top in zip(rec, share, strict=True)) + " | | |")
+    if "best_settings" in c:
+        lines.append("| best policy (settings beyond the defaults) | " + " | ".join(
+            _how_to_run(name, changed) for name, changed in zip(c["best"], c["best_settings"], strict=True))
+            + " | | |")
     if "recommended_at_default_reference" in c:
         learned = " / ".join(f"{t:,}" for t in c["learned_reference_tokens"])
         lines.append(f"| {c['recommended']} without `reference_tokens` (RAM planned for "

@@ -108,6 +108,15 @@ def policy(name: str) -> Policy:
     raise HybridKVError(f"policy {name!r} is unknown; use {', '.join(POLICY_NAMES)} (e.g. periodic-4096)")
 
 
+def settings(pol: Policy) -> dict | None:
+    """The cache settings that keep what ``pol`` keeps (a config file's keys), or None where
+    no setting does: ``vllm-align`` keeps no junctions, ``marconi`` evicts by FLOPs saved."""
+    if not pol.junctions or pol.eviction == "flop" or not pol.states:
+        return None
+    return {"retention": "dense" if pol.retention is None else pol.retention, "tail_states": pol.tail,
+            "state_align": "auto" if pol.align is None else pol.align, "eviction": pol.eviction}
+
+
 def attention_only(layout: Layout) -> Layout:
     """The layout with its state groups removed: what a cache whose states cost nothing holds."""
     return dataclasses.replace(layout, groups=tuple(g for g in layout.groups if g.kind is not GroupKind.STATE))
