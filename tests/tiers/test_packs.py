@@ -384,3 +384,25 @@ def test_random_writes_reads_evictions_and_restarts_keep_the_index_true(tmp_path
     evictions += tier.stats["evictions"]
     tier.close()
     assert evictions > 0                                   # the quota had work to do
+
+
+class ListsBeforeUnlink(FilesystemTier):
+    """A miss's listing of the packs directory (finding packs other processes wrote) lands
+    between an eviction taking a pack out of the index and unlinking its file."""
+
+    def _remove(self, paths):
+        self._packs_listed, self._packs_listed_at = None, float("-inf")     # a listing is due now
+        self._list_new_packs()
+        super()._remove(paths)
+
+
+def test_a_listing_between_an_eviction_and_its_unlink_does_not_index_the_pack_again(tmp_path):
+    tier = ListsBeforeUnlink(tmp_path, LAYOUT)
+    assert tier.wait_scanned(30)
+    assert tier.write_pack([(g, key(i), page(g, i)) for i in range(4) for g in (0, 1)])
+    tier.max_bytes = tier.total_bytes() * 3 // 2      # room for one such pack: the next evicts it
+    assert tier.write_pack([(g, key(i), page(g, i)) for i in range(4, 8) for g in (0, 1)])
+    assert tier.stats["evictions"] == 8 and len(packs(tier)) == 1
+    check_index(tier)                                  # the evicted pack is not indexed again
+    assert tier.contains_many(0, [key(0), key(4)]) == [False, True]
+    tier.close()

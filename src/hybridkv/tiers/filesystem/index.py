@@ -84,6 +84,10 @@ class StoreIndex:
         self.sizes: dict[int, int] = {}           # one int object per distinct file size
         self.gone: set[bytes] | None = set()      # page files dropped while the scan runs; None after
         self.fresh: set[bytes | Pack] | None = set()   # lru keys used while it runs, not by it
+        # packs taken out of the index here -> when their file went (None: not yet). A listing
+        # of the packs directory that began before that may still name the file: it must not
+        # index the pack again (``forget_removed_before`` drops what no listing can name)
+        self.removed_packs: dict[str, float | None] = {}
 
     def pages(self) -> int:
         return self.files + sum(len(table) for table in self.tables.values())
@@ -217,7 +221,12 @@ class StoreIndex:
         del self.packs[pack.name]
         del self.numbered[pack.number]
         self.bytes -= pack.nbytes
+        self.removed_packs[pack.name] = None
         return [f"{self.packs_dir}/{pack.name}"]
+
+    def forget_removed_before(self, moment: float) -> None:
+        """A listing begins at ``moment``: packs whose file went before it cannot be in it."""
+        self.removed_packs = {name: t for name, t in self.removed_packs.items() if t is None or t >= moment}
 
 
     def evict_to(self, max_bytes: int, keep: bytes | Pack | None) -> tuple[list[str], int]:

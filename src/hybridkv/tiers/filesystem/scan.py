@@ -315,6 +315,8 @@ class ScanMixin:
             now = time.monotonic()
             if listed == self._packs_listed or now - self._packs_listed_at < PACK_RELIST_S:
                 return
+            with self.index.lock:
+                self.index.forget_removed_before(now)
             names = [e.name for e in os.scandir(self._packs_dir) if e.name.endswith(packfile.SUFFIX)]
         except OSError:
             return
@@ -324,11 +326,11 @@ class ScanMixin:
         for name in names:
             if self._closing:
                 return
-            if name in self.index.packs or name in self._bad_packs:
+            if name in self.index.packs or name in self._bad_packs or name in self.index.removed_packs:
                 continue
             found = self._open_pack(name)
             if found is not None:
                 pack, table, _ = found
-                with self.index.lock:
-                    if name not in self.index.packs:
+                with self.index.lock:     # not one this process evicted meanwhile (its file is going)
+                    if name not in self.index.packs and name not in self.index.removed_packs:
                         self.index.add_packs([(pack, table)], newest=False)
