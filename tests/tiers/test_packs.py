@@ -386,18 +386,25 @@ def test_random_writes_reads_evictions_and_restarts_keep_the_index_true(tmp_path
     assert evictions > 0                                   # the quota had work to do
 
 
-class ListsBeforeUnlink(FilesystemTier):
-    """A miss's listing of the packs directory (finding packs other processes wrote) lands
-    between an eviction taking a pack out of the index and unlinking its file."""
+class LooksBeforeUnlink(FilesystemTier):
+    """A miss's look for pages other processes wrote (a stat of the missed pages' files, a
+    listing of the packs directory) lands between an eviction taking files out of the index
+    and unlinking them: the race the disk tier must not lose."""
+
+    missed: set = frozenset()
 
     def _remove(self, paths):
-        self._packs_listed, self._packs_listed_at = None, float("-inf")     # a listing is due now
-        self._list_new_packs()
+        if paths and not getattr(self, "_looking", False):
+            self._looking = True
+            self._packs_listed, self._packs_listed_at = None, float("-inf")     # a listing is due now
+            self._undiscovered = set(self.missed)
+            self._discover_job()
+            self._looking = False
         super()._remove(paths)
 
 
 def test_a_listing_between_an_eviction_and_its_unlink_does_not_index_the_pack_again(tmp_path):
-    tier = ListsBeforeUnlink(tmp_path, LAYOUT)
+    tier = LooksBeforeUnlink(tmp_path, LAYOUT)
     assert tier.wait_scanned(30)
     assert tier.write_pack([(g, key(i), page(g, i)) for i in range(4) for g in (0, 1)])
     tier.max_bytes = tier.total_bytes() * 3 // 2      # room for one such pack: the next evicts it
@@ -405,4 +412,17 @@ def test_a_listing_between_an_eviction_and_its_unlink_does_not_index_the_pack_ag
     assert tier.stats["evictions"] == 8 and len(packs(tier)) == 1
     check_index(tier)                                  # the evicted pack is not indexed again
     assert tier.contains_many(0, [key(0), key(4)]) == [False, True]
+    tier.close()
+
+
+def test_a_stat_between_an_eviction_and_its_unlink_does_not_index_the_page_file_again(tmp_path):
+    tier = LooksBeforeUnlink(tmp_path, LAYOUT)
+    assert tier.wait_scanned(30)
+    tier.missed = {filesystem.paths.page_ident(1, key(i)) for i in range(3)}
+    assert tier.write(1, key(0), page(1, 0)) and tier.write(1, key(1), page(1, 1))
+    tier.max_bytes = tier.total_bytes()                # room for two: the third evicts the first
+    assert tier.write(1, key(2), page(1, 2))
+    assert tier.stats["evictions"] == 1 and tier.stats["disk_lookups"] >= 3
+    check_index(tier)                                  # the evicted file is not indexed again
+    assert tier.contains_many(1, [key(0), key(2)]) == [False, True]
     tier.close()

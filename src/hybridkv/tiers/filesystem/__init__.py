@@ -32,7 +32,7 @@ from pathlib import Path
 from hybridkv.core.errors import HybridKVError
 from hybridkv.core.layout import Layout
 from hybridkv.ram.regions import process_start_time
-from hybridkv.tiers import packfile, pagefile
+from hybridkv.tiers import pagefile
 from hybridkv.tiers.base import SecondaryTier, register_tier
 from hybridkv.tiers.filesystem.index import Pack, StoreIndex
 from hybridkv.tiers.filesystem.paths import (
@@ -217,16 +217,16 @@ class FilesystemTier(ScanMixin, ReadMixin, WriteMixin, ReclaimMixin, SecondaryTi
         """A pack is gone or damaged: none of its pages is served from it again."""
         with self.index.lock:
             self.index.drop_pack(pack)               # its file is gone or in quarantine already
-            self.index.removed_packs[pack.name] = time.monotonic()
+            self.index.removed[f"{self._packs_dir}/{pack.name}"] = time.monotonic()
 
     def _remove(self, paths: list[str]) -> None:
         for path in paths:
             if not self.read_only:
                 with contextlib.suppress(OSError):
                     os.unlink(path)
-            if path.endswith(packfile.SUFFIX):
-                with self.index.lock:
-                    self.index.removed_packs[os.path.basename(path)] = time.monotonic()
+            with self.index.lock:
+                if path in self.index.removed:
+                    self.index.removed[path] = time.monotonic()
 
     def close(self) -> None:
         """Write the held pages and drain queued writes: a clean exit loses nothing acknowledged."""

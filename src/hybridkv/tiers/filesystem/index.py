@@ -84,10 +84,11 @@ class StoreIndex:
         self.sizes: dict[int, int] = {}           # one int object per distinct file size
         self.gone: set[bytes] | None = set()      # page files dropped while the scan runs; None after
         self.fresh: set[bytes | Pack] | None = set()   # lru keys used while it runs, not by it
-        # packs taken out of the index here -> when their file went (None: not yet). A listing
-        # of the packs directory that began before that may still name the file: it must not
-        # index the pack again (``forget_removed_before`` drops what no listing can name)
-        self.removed_packs: dict[str, float | None] = {}
+        # files taken out of the index here for removal -> when they went (None: not yet). A
+        # look for other processes' files (a listing of the packs, a stat of a page file) that
+        # began before that may still see one: it must not index it again
+        # (``forget_removed_before`` drops what no later look can see)
+        self.removed: dict[str, float | None] = {}
 
     def pages(self) -> int:
         return self.files + sum(len(table) for table in self.tables.values())
@@ -186,7 +187,7 @@ class StoreIndex:
                 if newest:                      # the new copy serves: the file goes
                     for n in np.flatnonzero(filed).tolist():
                         self.drop_file(idents[n])
-                        dead.append(page_file(self.namespace_str, group, idents[n][2:]))
+                        dead.append(self.removing(page_file(self.namespace_str, group, idents[n][2:])))
                 else:                           # the page file serves, as before
                     fps, locs, owners = fps[~filed], locs[~filed], owners[~filed]
             table = self.tables.setdefault(group, PageTable())
@@ -221,12 +222,16 @@ class StoreIndex:
         del self.packs[pack.name]
         del self.numbered[pack.number]
         self.bytes -= pack.nbytes
-        self.removed_packs[pack.name] = None
-        return [f"{self.packs_dir}/{pack.name}"]
+        return [self.removing(f"{self.packs_dir}/{pack.name}")]
+
+    def removing(self, path: str) -> str:
+        """``path`` leaves the index to be removed (``FilesystemTier._remove`` notes when it went)."""
+        self.removed[path] = None
+        return path
 
     def forget_removed_before(self, moment: float) -> None:
-        """A listing begins at ``moment``: packs whose file went before it cannot be in it."""
-        self.removed_packs = {name: t for name, t in self.removed_packs.items() if t is None or t >= moment}
+        """A look for other processes' files begins at ``moment``: files gone before it cannot be seen."""
+        self.removed = {path: t for path, t in self.removed.items() if t is None or t >= moment}
 
 
     def evict_to(self, max_bytes: int, keep: bytes | Pack | None) -> tuple[list[str], int]:
@@ -246,7 +251,7 @@ class StoreIndex:
             else:
                 evicted += 1
                 self.drop_file(victim)
-                victims.append(page_file(self.namespace_str, *split_ident(victim)))
+                victims.append(self.removing(page_file(self.namespace_str, *split_ident(victim))))
         if kept is not None:
             self.lru[kept[0]] = kept[1]
         return victims, evicted

@@ -284,13 +284,14 @@ class ScanMixin:
                         self._discovered.set()
                         return
                     self.stats["disk_lookups"] += len(idents)
-                on_disk = {ident: size for ident in idents
-                           if (size := regular_size(page_file(self._namespace_str, *split_ident(ident)))) is not None}
+                    self.index.forget_removed_before(time.monotonic())
+                paths = {ident: page_file(self._namespace_str, *split_ident(ident)) for ident in idents}
+                on_disk = {ident: size for ident, path in paths.items() if (size := regular_size(path)) is not None}
                 dead = []
-                with self.index.lock:
+                with self.index.lock:     # not a file this process evicted meanwhile (it is going)
                     for ident, size in on_disk.items():
                         group, key = split_ident(ident)
-                        if self.index.locate(group, [key])[0] is None:
+                        if self.index.locate(group, [key])[0] is None and paths[ident] not in self.index.removed:
                             dead += self.index.put_file(ident, self.index.size(size))
                 self._remove(dead)
                 self._list_new_packs()
@@ -326,11 +327,12 @@ class ScanMixin:
         for name in names:
             if self._closing:
                 return
-            if name in self.index.packs or name in self._bad_packs or name in self.index.removed_packs:
+            path = f"{self._packs_dir}/{name}"
+            if name in self.index.packs or name in self._bad_packs or path in self.index.removed:
                 continue
             found = self._open_pack(name)
             if found is not None:
                 pack, table, _ = found
                 with self.index.lock:     # not one this process evicted meanwhile (its file is going)
-                    if name not in self.index.packs and name not in self.index.removed_packs:
+                    if name not in self.index.packs and path not in self.index.removed:
                         self.index.add_packs([(pack, table)], newest=False)
