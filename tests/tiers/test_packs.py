@@ -426,3 +426,15 @@ def test_a_stat_between_an_eviction_and_its_unlink_does_not_index_the_page_file_
     check_index(tier)                                  # the evicted file is not indexed again
     assert tier.contains_many(1, [key(0), key(2)]) == [False, True]
     tier.close()
+
+
+def test_a_pack_written_before_the_start_up_listing_is_indexed_once(tmp_path):
+    """An engine may store while the store is still being scanned: the scan's listing then
+    names a pack this process has indexed already, which must not count twice."""
+    held = HeldPackScan(tmp_path, LAYOUT)
+    assert held.write_pack([(g, key(i), page(g, i)) for i in range(4) for g in (0, 1)])
+    held.go.set()
+    assert held.wait_scanned(30)
+    check_index(held)
+    assert held.total_bytes() == sum(p.stat().st_size for p in packs(held))
+    held.close()

@@ -106,6 +106,7 @@ class FilesystemTier(ScanMixin, ReadMixin, WriteMixin, ReclaimMixin, SecondaryTi
         self._discovered = threading.Event()       # set while that discovery is idle
         self._discovered.set()
         self.scanned = threading.Event()           # the start-up scan has indexed the store
+        self._scan_began = time.monotonic()        # its listing of the packs may name files gone since
         self._closing = False
         self._start = process_start_time(os.getpid())
         self._local = threading.local()            # per-thread aligned buffer and scratch page for O_DIRECT
@@ -212,21 +213,40 @@ class FilesystemTier(ScanMixin, ReadMixin, WriteMixin, ReclaimMixin, SecondaryTi
             self.index.drop_file(ident)
             if self.index.gone is not None:
                 self.index.gone.add(ident)
+            self._went([page_file(self._namespace_str, group, key)])
 
     def _forget_pack(self, pack: Pack) -> None:
         """A pack is gone or damaged: none of its pages is served from it again."""
         with self.index.lock:
             self.index.drop_pack(pack)               # its file is gone or in quarantine already
-            self.index.removed[f"{self._packs_dir}/{pack.name}"] = time.monotonic()
+            self._went([f"{self._packs_dir}/{pack.name}"])
 
     def _remove(self, paths: list[str]) -> None:
+        """Unlink files the index let go of (``StoreIndex.removing``), outside its lock."""
+        if not paths:
+            return
         for path in paths:
             if not self.read_only:
                 with contextlib.suppress(OSError):
                     os.unlink(path)
-            with self.index.lock:
-                if path in self.index.removed:
-                    self.index.removed[path] = time.monotonic()
+        with self.index.lock:
+            self._went(paths)
+
+    def _went(self, paths: list[str]) -> None:
+        """(Under the index lock.) ``paths`` are gone from disk: a look for others' files
+        running now may have seen them and must not index them; a later look cannot."""
+        if self._discovered.is_set() and self.packs_indexed.is_set():    # no look runs or is due
+            for path in paths:
+                self.index.removed.pop(path, None)
+        else:
+            now = time.monotonic()
+            for path in paths:
+                self.index.removed[path] = now
+
+    def _forget_removed(self) -> None:
+        """(Under the index lock.) A look begins: what went before it cannot be seen, nor,
+        while the start-up scan's listing of the packs runs, before that listing."""
+        self.index.forget_removed_before(time.monotonic() if self.packs_indexed.is_set() else self._scan_began)
 
     def close(self) -> None:
         """Write the held pages and drain queued writes: a clean exit loses nothing acknowledged."""

@@ -89,9 +89,11 @@ class ScanMixin:
         55 B a page, are not kept)."""
         packed = self._scan_packs()
         packed.sort(key=lambda found: found[2])
-        with self.index.lock:
-            self.index.add_packs([(pack, table) for pack, table, _ in reversed(packed)], newest=False,
-                            fresh=False)
+        with self.index.lock:     # not those written or evicted here since the listing
+            self.index.add_packs([(pack, table) for pack, table, _ in reversed(packed)
+                                  if pack.name not in self.index.packs
+                                  and f"{self._packs_dir}/{pack.name}" not in self.index.removed],
+                                 newest=False, fresh=False)
             for pack, _, _ in reversed(packed):     # by mtime, before what was used meanwhile
                 if pack in self.index.lru:
                     self.index.lru.move_to_end(pack, last=False)
@@ -167,7 +169,8 @@ class ScanMixin:
             self.index.lru, self.index.gone, self.index.fresh = ordered, None, None
             # a file is stale only if its page is still packed and not indexed as a file now
             still = [skip_idents[n] for n in self.index.packed_among(skip_idents)]
-            dead = [page_file(self._namespace_str, *split_ident(i)) for i in still if i not in self.index.lru]
+            dead = [self.index.removing(page_file(self._namespace_str, *split_ident(i)))
+                    for i in still if i not in self.index.lru]
         self._remove(dead)
 
     def _scan_entry(self, entry: os.DirEntry, group: int, mtimes, idents, sizes) -> None:
@@ -284,14 +287,15 @@ class ScanMixin:
                         self._discovered.set()
                         return
                     self.stats["disk_lookups"] += len(idents)
-                    self.index.forget_removed_before(time.monotonic())
+                    self._forget_removed()
                 paths = {ident: page_file(self._namespace_str, *split_ident(ident)) for ident in idents}
                 on_disk = {ident: size for ident, path in paths.items() if (size := regular_size(path)) is not None}
                 dead = []
                 with self.index.lock:     # not a file this process evicted meanwhile (it is going)
                     for ident, size in on_disk.items():
                         group, key = split_ident(ident)
-                        if self.index.locate(group, [key])[0] is None and paths[ident] not in self.index.removed:
+                        if (self.index.locate(group, [key])[0] is None and paths[ident] not in self.index.removed
+                                and ident not in self._bad):
                             dead += self.index.put_file(ident, self.index.size(size))
                 self._remove(dead)
                 self._list_new_packs()
@@ -317,7 +321,7 @@ class ScanMixin:
             if listed == self._packs_listed or now - self._packs_listed_at < PACK_RELIST_S:
                 return
             with self.index.lock:
-                self.index.forget_removed_before(now)
+                self._forget_removed()
             names = [e.name for e in os.scandir(self._packs_dir) if e.name.endswith(packfile.SUFFIX)]
         except OSError:
             return
