@@ -438,3 +438,31 @@ def test_a_pack_written_before_the_start_up_listing_is_indexed_once(tmp_path):
     check_index(held)
     assert held.total_bytes() == sum(p.stat().st_size for p in packs(held))
     held.close()
+
+
+class WritesBeforeUnlink(FilesystemTier):
+    """A page is stored again between its eviction taking it out of the index and the unlink
+    (another request computed it meanwhile): the unlink then removes the new file."""
+
+    rewrite: tuple = ()
+
+    def _remove(self, paths):
+        if paths and self.rewrite:
+            (group, n), self.rewrite = self.rewrite, ()
+            assert self.write(group, key(n), page(group, n))
+        super()._remove(paths)
+
+
+def test_a_page_written_again_while_its_eviction_unlinks_it_is_not_indexed_without_its_file(tmp_path):
+    tier = WritesBeforeUnlink(tmp_path, LAYOUT)
+    assert tier.wait_scanned(30)
+    assert tier.write(1, key(0), page(1, 0)) and tier.write(1, key(1), page(1, 1))
+    tier.max_bytes = tier.total_bytes()                # room for two: the third evicts the first
+    tier.rewrite = (1, 0)
+    assert tier.write(1, key(2), page(1, 2))
+    check_index(tier)                                  # indexed only with its file
+    out = np.empty(LAYOUT.group(1).page_bytes, np.uint8)
+    for n in range(3):                                 # whatever it holds reads back right
+        if tier.contains(1, key(n)):
+            assert tier.read(1, key(n), out) and np.array_equal(out, page(1, n))
+    tier.close()

@@ -41,6 +41,7 @@ from hybridkv.tiers.filesystem.paths import (
     QUARANTINE,
     open_page,
     page_file,
+    page_file_ident,
     page_ident,
     page_path,
     probe_direct_io,
@@ -230,7 +231,13 @@ class FilesystemTier(ScanMixin, ReadMixin, WriteMixin, ReclaimMixin, SecondaryTi
                 with contextlib.suppress(OSError):
                     os.unlink(path)
         with self.index.lock:
-            self._went(paths)
+            # a page written again after the index let go of it and before the unlink lost
+            # its new file to the unlink: it is not indexed either (a miss, never a phantom)
+            rewritten = [path for path in paths if path not in self.index.removed and path.endswith(".blk")]
+            for path in rewritten:
+                if regular_stat(path) is None:
+                    self.index.drop_file(page_file_ident(path))
+            self._went([path for path in paths if path in self.index.removed])
 
     def _went(self, paths: list[str]) -> None:
         """(Under the index lock.) ``paths`` are gone from disk: a look for others' files

@@ -129,6 +129,8 @@ class StoreIndex:
         """Index the newest copy of a page, in a page file (most recent); returns files no
         page uses now."""
         group, key = split_ident(ident)
+        if self.removed:      # written again while an eviction of it is in flight: see _remove
+            self.removed.pop(page_file(self.namespace_str, group, key), None)
         dead = self.unpack(group, [key])
         old = self.lru.pop(ident, None)
         self.files += old is None

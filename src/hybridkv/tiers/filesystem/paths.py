@@ -55,6 +55,12 @@ def page_file(namespace: str, group: int, key: bytes) -> str:
     return f"{namespace}/g{group}/{hexkey[:2]}/{hexkey}.blk"
 
 
+def page_file_ident(path: str) -> bytes:
+    """The index key of a page file's path (``page_file`` backwards)."""
+    group_dir, _, name = path.rsplit("/", 3)[-3:]
+    return page_ident(int(group_dir[1:]), bytes.fromhex(name[:-len(".blk")]))
+
+
 def page_path(namespace: Path, group: int, key: bytes) -> Path:
     return Path(page_file(str(namespace), group, key))
 
