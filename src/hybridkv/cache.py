@@ -149,8 +149,7 @@ class TieredCache:
                  eviction: Callable[[int, int], EvictionPolicy] | None = None):
         self.layout, self.config = layout, config
         reference = config.reference_tokens or default_reference_tokens(layout)
-        self.plan = plan or plan_pools(layout, config.ram_bytes, config.retention_tokens(layout.block_tokens), reference,
-                                       config.engine_block_tokens, config.tail_states)
+        self.plan = plan or self._plan(reference)
         self.pools = GroupedPools(self.plan.slots_per_group(), eviction or config.eviction)
         self.regions: dict[int, SharedRegion | PagelessRegion] = {}
         self.secondaries: list[SecondaryTier] = []
@@ -199,6 +198,13 @@ class TieredCache:
             raise
         return made
 
+    def _plan(self, reference_tokens: int) -> Plan:
+        """The config's pools for prompts of ``reference_tokens`` (its retention resolved
+        against the layout's block, the one the cache works in)."""
+        config = self.config
+        return plan_pools(self.layout, config.ram_bytes, config.retention_tokens(self.layout.block_tokens),
+                          reference_tokens, config.engine_block_tokens, config.tail_states)
+
     def replan(self, reference_tokens: int) -> bool:
         """Split RAM for prompts of ``reference_tokens`` instead: new pools and regions, the RAM
         pages dropped (a secondary tier keeps what was written through). It takes two calls at
@@ -211,10 +217,8 @@ class TieredCache:
         if coming is None or coming.plan.reference_tokens != reference_tokens:
             if coming is not None:
                 coming.discard()
-            plan = plan_pools(self.layout, self.config.ram_bytes, self.config.retention_tokens(self.layout.block_tokens),
-                              reference_tokens,
-                              self.config.engine_block_tokens, self.config.tail_states)
-            self._coming = coming = _RegionsInMaking(plan, self._make_regions, background=not self._pageless)
+            self._coming = coming = _RegionsInMaking(self._plan(reference_tokens), self._make_regions,
+                                                     background=not self._pageless)
         if not coming.ready():
             return False
         if coming.error is not None:

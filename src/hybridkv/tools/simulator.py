@@ -199,7 +199,7 @@ def replay(layout: Layout, requests: Sequence[np.ndarray] | Iterable[np.ndarray]
         layout = attention_only(layout)
     B = layout.block_tokens
     config = CacheConfig(block_tokens=B, ram_bytes=budget_bytes, eviction="lru" if pol.eviction == "flop"
-                         else pol.eviction, retention=pol.interval(B), tail_states=pol.tail, state_align=pol.align,
+                         else pol.eviction, retention=pol.retention, tail_states=pol.tail, state_align=pol.align,
                          reference_tokens=reference_tokens)
     flop_aware = pol.eviction == "flop"
     block_cost, state_cost = {}, {}      # key -> recompute FLOPs its page saves, per byte

@@ -38,6 +38,7 @@ from hybridkv.tiers.filesystem.index import Pack, StoreIndex
 from hybridkv.tiers.filesystem.paths import (
     MANIFEST,
     PACKS,
+    PAGE_SUFFIX,
     QUARANTINE,
     open_page,
     page_file,
@@ -220,7 +221,7 @@ class FilesystemTier(ScanMixin, ReadMixin, WriteMixin, ReclaimMixin, SecondaryTi
         """A pack is gone or damaged: none of its pages is served from it again."""
         with self.index.lock:
             self.index.drop_pack(pack)               # its file is gone or in quarantine already
-            self._went([f"{self._packs_dir}/{pack.name}"])
+            self._went([self.index.pack_file(pack.name)])
 
     def _remove(self, paths: list[str]) -> None:
         """Unlink files the index let go of (``StoreIndex.removing``), outside its lock."""
@@ -233,7 +234,7 @@ class FilesystemTier(ScanMixin, ReadMixin, WriteMixin, ReclaimMixin, SecondaryTi
         with self.index.lock:
             # a page written again after the index let go of it and before the unlink lost
             # its new file to the unlink: it is not indexed either (a miss, never a phantom)
-            rewritten = [path for path in paths if path not in self.index.removed and path.endswith(".blk")]
+            rewritten = [path for path in paths if path not in self.index.removed and path.endswith(PAGE_SUFFIX)]
             for path in rewritten:
                 if regular_stat(path) is None:
                     self.index.drop_file(page_file_ident(path))

@@ -224,7 +224,11 @@ class StoreIndex:
         del self.packs[pack.name]
         del self.numbered[pack.number]
         self.bytes -= pack.nbytes
-        return [self.removing(f"{self.packs_dir}/{pack.name}")]
+        return [self.removing(self.pack_file(pack.name))]
+
+    def pack_file(self, name: str) -> str:
+        """A pack's path, as ``removed`` knows it."""
+        return f"{self.packs_dir}/{name}"
 
     def removing(self, path: str) -> str:
         """``path`` leaves the index to be removed (``FilesystemTier._remove`` notes when it went)."""

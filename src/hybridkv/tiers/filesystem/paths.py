@@ -27,6 +27,7 @@ ALIGN = packfile.ALIGN      # O_DIRECT buffers, offsets and lengths: whole 4 KiB
 MANIFEST = "manifest.json"
 QUARANTINE = "quarantine"
 PACKS = "packs"
+PAGE_SUFFIX = ".blk"                 # a page file is <key hex>.blk
 
 
 def probe_direct_io(directory: Path) -> bool:
@@ -52,13 +53,13 @@ def probe_direct_io(directory: Path) -> bool:
 def page_file(namespace: str, group: int, key: bytes) -> str:
     """A page's file name, as a string: pathlib costs ~40 us a page on the read path."""
     hexkey = key.hex()
-    return f"{namespace}/g{group}/{hexkey[:2]}/{hexkey}.blk"
+    return f"{namespace}/g{group}/{hexkey[:2]}/{hexkey}{PAGE_SUFFIX}"
 
 
 def page_file_ident(path: str) -> bytes:
     """The index key of a page file's path (``page_file`` backwards)."""
     group_dir, _, name = path.rsplit("/", 3)[-3:]
-    return page_ident(int(group_dir[1:]), bytes.fromhex(name[:-len(".blk")]))
+    return page_ident(int(group_dir[1:]), bytes.fromhex(name[:-len(PAGE_SUFFIX)]))
 
 
 def page_path(namespace: Path, group: int, key: bytes) -> Path:

@@ -22,6 +22,7 @@ import numpy as np
 from hybridkv.tiers import packfile, pagefile
 from hybridkv.tiers.filesystem.index import FoundPack, Pack
 from hybridkv.tiers.filesystem.paths import (
+    PAGE_SUFFIX,
     open_page,
     page_file,
     page_ident,
@@ -92,7 +93,7 @@ class ScanMixin:
         with self.index.lock:     # not those written or evicted here since the listing
             self.index.add_packs([(pack, table) for pack, table, _ in reversed(packed)
                                   if pack.name not in self.index.packs
-                                  and f"{self._packs_dir}/{pack.name}" not in self.index.removed],
+                                  and self.index.pack_file(pack.name) not in self.index.removed],
                                  newest=False, fresh=False)
             for pack, _, _ in reversed(packed):     # by mtime, before what was used meanwhile
                 if pack in self.index.lru:
@@ -177,7 +178,7 @@ class ScanMixin:
         name = entry.name
         if self._reclaim_temp(entry):
             return
-        if not name.endswith(".blk"):
+        if not name.endswith(PAGE_SUFFIX):
             return
         try:
             st = entry.stat(follow_symlinks=False)
@@ -331,7 +332,7 @@ class ScanMixin:
         for name in names:
             if self._closing:
                 return
-            path = f"{self._packs_dir}/{name}"
+            path = self.index.pack_file(name)
             if name in self.index.packs or name in self._bad_packs or path in self.index.removed:
                 continue
             found = self._open_pack(name)
