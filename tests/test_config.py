@@ -43,6 +43,7 @@ def test_json_config(tmp_path):
 @pytest.mark.parametrize("overrides, fragment", [
     ({"retention": 100}, "not a multiple of block_tokens 64"),
     ({"eviction": "fifo"}, "eviction 'fifo' is unknown"),
+    ({"insertion": "mru"}, "insertion = 'mru' is unknown; use adaptive"),
     ({"ram_bytes": "0"}, "ram_bytes must be > 0"),
     ({"block_tokens": "x"}, "block_tokens: expected an integer"),
     ({"durability": "maybe"}, "durability 'maybe'"),

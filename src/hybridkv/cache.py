@@ -107,7 +107,7 @@ class PageCache(Protocol):
     def complete_load(self, load: Load) -> dict[int, list[np.ndarray]] | None: ...
     def release(self, load: Load) -> None: ...
     def touch(self, wanted: Mapping[int, Sequence[bytes]]) -> None: ...
-    def prepare_store(self, keys: Mapping[int, Sequence[bytes]]) -> dict[int, StorePlan] | None: ...
+    def prepare_store(self, keys: Mapping[int, Sequence[bytes]], cold: bool = False) -> dict[int, StorePlan] | None: ...
     def write(self, group: int, slot: int, page) -> None: ...
     def complete_store(self, plans: Mapping[int, StorePlan], ok: bool = True) -> None: ...
     def poll(self) -> int: ...
@@ -119,10 +119,10 @@ class PageCache(Protocol):
     def close(self) -> None: ...
 
 
-def store_pages(cache: PageCache, pages: Mapping[int, Sequence[tuple[bytes, np.ndarray]]]) -> bool:
+def store_pages(cache: PageCache, pages: Mapping[int, Sequence[tuple[bytes, np.ndarray]]], cold: bool = False) -> bool:
     """Store pages the caller holds, in every group or none: reserve, copy, publish.
     False: RAM has no room now (nothing changed; retry later)."""
-    plans = cache.prepare_store({gid: [key for key, _ in items] for gid, items in pages.items()})
+    plans = cache.prepare_store({gid: [key for key, _ in items] for gid, items in pages.items()}, cold)
     if plans is None:
         return False
     for gid, plan in plans.items():
@@ -398,15 +398,17 @@ class TieredCache:
         return None if plans is None else self.promotions.start(plans, sources)
 
     # -- stores -----------------------------------------------------------------------------
-    def prepare_store(self, keys: Mapping[int, Sequence[bytes]]) -> dict[int, StorePlan] | None:
+    def prepare_store(self, keys: Mapping[int, Sequence[bytes]], cold: bool = False) -> dict[int, StorePlan] | None:
         """Claim RAM slots for the absent keys, atomically across groups (None: no room now,
         nothing changed; retry later). Keys already present or in flight are skipped. The
         caller fills the slots (``write``, or a worker process through the shared region)
-        and ends every reservation with ``complete_store``."""
+        and ends every reservation with ``complete_store``. ``cold``: the pages are evicted
+        before older ones unless a hit uses them (a request the insertion policy expects no
+        reuse of)."""
         keys = {gid: list(ks) for gid, ks in keys.items() if ks}
         if not keys:
             return {}
-        plans = self.pools.prepare_store(keys)
+        plans = self.pools.prepare_store(keys, cold)
         if plans is None and self._writes:
             for tier in self.secondaries:   # RAM is short: held write-through keeps slots pinned
                 tier.flush()

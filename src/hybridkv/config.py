@@ -15,6 +15,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from hybridkv.core.errors import HybridKVError
+from hybridkv.core.insertion import check_mode
 from hybridkv.core.layout import Layout, layout_from_dict
 from hybridkv.core.retention import AUTO, resolve_interval
 from hybridkv.core.sizes import parse_size
@@ -74,6 +75,7 @@ class CacheConfig:
     block_tokens: int = setting(64, "tokens per block (default 64)")
     ram_bytes: int = setting(256 * 1024**2, "RAM tier budget per worker, e.g. 4GiB (default 256MiB)")
     eviction: str = setting("lru", f"RAM eviction policy: {' or '.join(POLICIES)} (default lru)")
+    insertion: str = setting("adaptive", "where new pages enter RAM's eviction order: adaptive (default: learned from the traffic), warm (always recent, plain LRU) or cold (a request that found under half its prompt cached stores at the evicted-first end)")
     retention: int | str | None = setting(AUTO, "recurrent states kept besides each prompt's own and the junctions: auto (default: one every ~16K tokens), 0 (none), every N tokens, or dense (one at every block)")
     tail_states: int = setting(1, "states also kept this many blocks before each prompt's end, for follow-ups that change its last block (default 1)")
     state_align: int | None = setting(None, "where each prompt's own state is kept: auto (default, learned from where prompts diverge), 0 (its replay boundary) or N (the deepest multiple of N tokens)")
@@ -98,6 +100,7 @@ class CacheConfig:
             raise HybridKVError("ram_bytes must be > 0; give the RAM tier a budget such as 1GiB")
         if self.eviction not in POLICIES:
             raise HybridKVError(f"eviction {self.eviction!r} is unknown; use one of {', '.join(POLICIES)}")
+        check_mode(self.insertion)
         if self.retention not in (None, AUTO) and self.retention % self.block_tokens:
             raise HybridKVError(
                 f"retention {self.retention} is not a multiple of block_tokens {self.block_tokens}; "

@@ -22,6 +22,7 @@ import numpy as np
 
 from hybridkv.cache import PageCache, store_pages
 from hybridkv.core.errors import HybridKVError
+from hybridkv.core.insertion import Insertion, Ticket
 from hybridkv.core.keys import block_hashes
 from hybridkv.core.layout import GroupKind, Layout
 from hybridkv.core.retention import (
@@ -66,6 +67,7 @@ class RequestState:
     where: dict[int, list[str | None]] = field(default_factory=dict)   # tier per (group, block)
     retention: Retention | None = None     # the connector's when the request began (set by begin), for all its stores
     keyed_with: tuple = (None, b"")    # the salt and key tail (extra, epoch) the keys were made with
+    ticket: Ticket = Ticket(False)     # whether its stores enter RAM cold, and what the shadows restored
 
     @property
     def hit_tokens(self) -> int:
@@ -181,7 +183,7 @@ class Connector:
         self.state_groups = [g.id for g in self.groups if g.kind is GroupKind.STATE]
         self.stats = {"requests": 0, "hit_tokens": 0, "prompt_tokens": 0, "offers_retried": 0,
                       "offers_dropped": 0, "pages_stored": 0, "offers_pending": 0,
-                      "state_align_tokens": self.B, "replans": 0,
+                      "state_align_tokens": self.B, "replans": 0, "cold_requests": 0,
                       "reference_tokens": cache.plan.reference_tokens}
         # reference_tokens unset: learn the prompt length the split between KV and states needs
         self.reference = (ReferenceLearner(self.B) if config.reference_tokens is None and self.state_groups
@@ -189,6 +191,14 @@ class Connector:
         if config.state_align and retention is None:
             self._realign(config.state_align)
         self._epoch = b""          # enters every key; a new one when the weights change
+        self.insertion = self._new_insertion()
+
+    def _new_insertion(self) -> Insertion:
+        """Where stores enter RAM's eviction order, its shadows as large as the pools now."""
+        plan = self.cache.plan
+        state_slots = [g.slots for g in plan.groups if g.id in self.state_groups]
+        return Insertion(self.cache.config.insertion, self.B, plan.token_slots,
+                         min(state_slots) if state_slots else None)
 
     # -- lookup and load --------------------------------------------------------------------
     def begin(self, request_id: str, tokens: Sequence[int], salt: str | None = None,
@@ -220,6 +230,8 @@ class Connector:
         req.hit = self._find_hit(req, located)
         self._learn_alignment(req)
         req.retention = self.retention
+        req.ticket = self.insertion.begin(req.keys, req.n_tokens, req.hit.tokens)
+        self.stats["cold_requests"] += req.ticket.cold
         self.stats["requests"] += 1
         self.stats["prompt_tokens"] += req.n_tokens
         return req
@@ -326,6 +338,7 @@ class Connector:
         is using (returns how many). Disk and Redis pages age out under their quotas: a restart
         on the original weights finds the pages made with them, which are valid there."""
         self._epoch = secrets.token_bytes(16)
+        self.insertion = self._new_insertion()
         return self.cache.forget_ram()
 
     def hit_blocks(self, req: RequestState) -> dict[int, range]:
@@ -448,7 +461,7 @@ class Connector:
 
     def _try_store(self, req: RequestState, offer: Offer) -> bool:
         pages = req.pending[offer]
-        if not store_pages(self.cache, pages):
+        if not store_pages(self.cache, pages, req.ticket.cold):
             return False
         del req.pending[offer]
         self.stats["offers_pending"] -= 1
@@ -474,6 +487,8 @@ class Connector:
             req.pending.clear()
         self.release(req)
         self.cache.request_finished(req.request_id)
+        if req.retention is not None:
+            self.insertion.finished(req.keys, req.n_tokens, req.ticket, req.retention, req.hit.junction)
         if self.reference is not None:
             self._learn_reference(req)
 
@@ -492,6 +507,7 @@ class Connector:
             self.reference = None
             return
         self.reference.replanned()
+        self.insertion = self._new_insertion()
         self.stats["replans"] += 1
         self.stats["reference_tokens"] = want
         log.info("RAM re-planned for %d-token prompts, the mean of the %d so far (reference_tokens is not "

@@ -101,6 +101,11 @@ class SameAnswers(RuleBasedStateMachine):
     def touch(self, keys):
         self.pools.call("touch", keys)
 
+    @rule(keys=keys)
+    def mark_cold(self, keys):
+        """Pending, evictable, pinned or absent keys alike: each pool must order them the same."""
+        self.pools.call("mark_cold", keys)
+
     @rule()
     def reset(self):
         self.pools.call("reset")
@@ -128,6 +133,8 @@ def test_long_random_trace_agrees(policy):
         if op < 0.45:
             plan = pools.call("prepare_store", keys)
             if plan is not None:
+                if rng.random() < 0.3:        # a store the insertion policy sends in cold
+                    pools.call("mark_cold", plan.keys)
                 pools.call("complete_store", plan.keys, rng.random() < 0.95)
         elif op < 0.75:
             pools.call("touch", keys)

@@ -99,6 +99,60 @@ def test_lru_pinned_keys_leave_the_order(new_pool):
     assert pool.prepare_store(["c"]).evicted == ["b"]
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_cold_store_is_evicted_before_older_pages_until_a_hit_uses_it(new_pool, policy):
+    pool = new_pool(0, 3, policy)
+    stored(pool, ["old1", "old2"])
+    plan = pool.prepare_store(["cold"])
+    pool.mark_cold(plan.keys)
+    pool.complete_store(plan.keys)
+    assert pool.prepare_store(["n1"]).evicted == ["cold"]       # not old1, the oldest
+    pool.complete_store(["n1"])
+    assert pool.prepare_store(["n2"]).evicted == ["old1"]      # the others: plain order
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_cold_page_used_by_a_hit_becomes_recent(new_pool, policy):
+    pool = new_pool(0, 3, policy)
+    stored(pool, ["old"])
+    plan = pool.prepare_store(["c1", "c2"])
+    pool.mark_cold(plan.keys)
+    pool.complete_store(plan.keys)
+    pool.prepare_load(["c1"])                   # a hit: pinned, released, touched
+    pool.complete_load(["c1"])
+    pool.touch(["c1"])
+    evicted = pool.prepare_store(["n1", "n2"]).evicted
+    assert set(evicted) == {"c2", "old"} and evicted[0] == "c2"
+
+
+def test_a_cold_page_released_after_a_pin_goes_back_to_the_cold_end(new_pool):
+    """A write-through pins a page right after its store; releasing it must not warm it."""
+    pool = new_pool(0, 3, "lru")
+    plan = pool.prepare_store(["cold"])
+    pool.mark_cold(plan.keys)
+    pool.complete_store(plan.keys)
+    stored(pool, ["a", "b"])
+    pool.prepare_load(["cold"])
+    pool.complete_load(["cold"])
+    assert pool.prepare_store(["n"]).evicted == ["cold"]
+
+
+def test_marking_an_evictable_page_cold_moves_it_at_once(new_pool):
+    pool = new_pool(0, 3, "lru")
+    stored(pool, ["a", "b", "c"])
+    pool.mark_cold(["c", "absent"])
+    assert pool.prepare_store(["n"]).evicted == ["c"]
+
+
+def test_grouped_cold_store_marks_every_group():
+    mgr = GroupedPools({0: 2, 1: 2})
+    for key in ("a", "b"):
+        plans = mgr.prepare_store({0: [key], 1: [key]}, cold=key == "b")
+        mgr.complete_store({gid: plan.keys for gid, plan in plans.items()})
+    plans = mgr.prepare_store({0: ["c"], 1: ["c"]})
+    assert plans[0].evicted == ["b"] and plans[1].evicted == ["b"]
+
+
 def arc_state(pool):
     """Where a pool keeps ARC's target: its policy object (Python) or itself (compiled)."""
     return pool.policy if isinstance(pool, SlotPool) else pool

@@ -83,6 +83,21 @@ def test_sparse_retention_beats_dense_when_states_are_large():
     assert semantic.token_hit_rate > 2 * dense.token_hit_rate
 
 
+@pytest.mark.parametrize("workload", ["multi_turn_chat", "agentic"])
+def test_adaptive_insertion_serves_sessions_that_cycle_past_ram(workload):
+    """Sessions taking turns in a cycle longer than RAM holds: LRU evicts each one just before
+    it returns; the adaptive insertion learns to store cold and keeps part of the cycle whole.
+    Where RAM holds the cycle, it changes nothing."""
+    def rate(kib, insertion):
+        pol = Policy(insertion, retention=0, insertion=insertion)
+        result = replay(LAYOUT, workload_prompts(workload), kib * 1024, pol, workload, 8192)
+        assert result.wrong_hits == 0
+        return result.token_hit_rate
+
+    assert rate(600, "adaptive") > rate(600, "warm") + 0.25
+    assert rate(2000, "adaptive") == rate(2000, "warm")
+
+
 # -- traces, policies and the wrong-hit check ------------------------------------------------
 def _trace(tmp_path, lines, name="t.jsonl"):
     path = tmp_path / name
@@ -193,11 +208,15 @@ def test_simulate_cli_replays_the_default_unless_told_otherwise(tmp_path):
     assert json.loads(default.stdout)[0]["policy"] == "aligned-periodic"
     assert json.loads(cli(*args, "--retention", "auto").stdout)[0]["policy"] == "aligned-periodic"
     assert json.loads(custom.stdout)[0]["policy"] == "custom"
+    warm = cli(*args, "--insertion", "warm")
+    assert warm.returncode == 0 and json.loads(warm.stdout)[0]["policy"] == "custom"
 
 
 def test_simulate_cli_misuse(tmp_path):
     assert_one_line_error(cli("simulate"), "either --trace PATH or --workload NAME")
     assert_one_line_error(cli("simulate", "--workload", "agentic", "--policy", "dense", "--retention", "0"),
+                          "leave them out with --policy or --compare")
+    assert_one_line_error(cli("simulate", "--workload", "agentic", "--compare", "--insertion", "warm"),
                           "leave them out with --policy or --compare")
     assert_one_line_error(cli("simulate", "--workload", "nope"), "workload 'nope' is unknown")
     assert_one_line_error(cli("simulate", "--workload", "agentic", "--ram-bytes", "lots"), "--ram-bytes")
@@ -216,6 +235,7 @@ def test_a_policys_settings_make_a_cache_keep_what_the_policy_kept(name):
         conn = Connector(cache)
         assert conn.retention == pol.keeper(B)
         assert (conn.alignment is not None) == (pol.align is None and pol.retention is not None)
+        assert conn.insertion.mode == pol.insertion
 
 
 def test_policies_no_setting_reproduces_say_so():

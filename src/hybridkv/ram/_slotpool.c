@@ -29,6 +29,7 @@ typedef struct {
     int32_t prev, next;     /* links in `list`; `next` also chains free entries */
     int8_t list;            /* T1..B2 or NO_LIST */
     int8_t where;
+    int8_t cold;            /* stored cold: re-enters its list at the evicted-first end */
     uint32_t mark;          /* == pool->mark: one of the current call's keys */
 } Entry;
 
@@ -263,6 +264,19 @@ static void push_back(Pool *p, int l, int32_t id) {
     p->len[l]++;
 }
 
+static void push_front(Pool *p, int l, int32_t id) {
+    Entry *en = &p->e[id];
+    en->list = (int8_t)l;
+    en->prev = EMPTY;
+    en->next = p->head[l];
+    if (p->head[l] != EMPTY)
+        p->e[p->head[l]].prev = id;
+    else
+        p->tail[l] = id;
+    p->head[l] = id;
+    p->len[l]++;
+}
+
 static void unlink_entry(Pool *p, int32_t id) {
     Entry *en = &p->e[id];
     int l = en->list;
@@ -291,7 +305,7 @@ static inline void move_to_back(Pool *p, int32_t id) {
 /* ---- policy: what ram/policies.py does, on entries ------------------------------------ */
 
 static void set_evictable(Pool *p, int32_t id) {
-    push_back(p, p->e[id].where == IN_T2 ? T2 : T1, id);
+    (p->e[id].cold ? push_front : push_back)(p, p->e[id].where == IN_T2 ? T2 : T1, id);
 }
 
 static Py_ssize_t evictable_count(const Pool *p) { return p->len[T1] + p->len[T2]; }
@@ -417,6 +431,7 @@ static int32_t insert_key(Pool *p, PyObject *key, Py_hash_t hash, int32_t slot) 
         id = add_entry(p, key, hash);
     Entry *en = &p->e[id];
     en->where = where;
+    en->cold = 0;
     en->slot = slot;
     en->refs = WRITE_PENDING;
     if (where == IN_T1)
@@ -491,6 +506,30 @@ static PyObject *Pool_touch(Pool *p, PyObject *keys) {
             }
         } else if (en->list != NO_LIST) {
             move_to_back(p, id);
+        }
+    }
+    Py_DECREF(f);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Pool_mark_cold(Pool *p, PyObject *keys) {
+    PyObject *f = fast(keys);
+    if (f == NULL)
+        return NULL;
+    PyObject **items = PySequence_Fast_ITEMS(f);
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(f); i++) {
+        int32_t id = resident_of(p, items[i]);
+        if (id == -2) {
+            Py_DECREF(f);
+            return NULL;
+        }
+        if (id < 0)
+            continue;
+        p->e[id].cold = 1;
+        int l = p->e[id].list;
+        if (l != NO_LIST) {      /* evictable now: to the front of its list at once */
+            unlink_entry(p, id);
+            push_front(p, l, id);
         }
     }
     Py_DECREF(f);
@@ -846,6 +885,7 @@ static void Pool_dealloc(Pool *p) {
 static PyMethodDef Pool_methods[] = {
     {"lookup", (PyCFunction)Pool_lookup, METH_O, "key -> MISS, HIT or HIT_PENDING"},
     {"touch", (PyCFunction)Pool_touch, METH_O, "keys of one request, prefix order: make them most recent"},
+    {"mark_cold", (PyCFunction)Pool_mark_cold, METH_O, "resident keys re-enter the order where it evicts first"},
     {"new_keys", (PyCFunction)Pool_new_keys, METH_O, "keys not resident or in flight, without duplicates"},
     {"can_place", (PyCFunction)(void (*)(void))Pool_can_place, METH_FASTCALL | METH_KEYWORDS, "would prepare_store succeed now?"},
     {"prepare_store", (PyCFunction)(void (*)(void))Pool_prepare_store, METH_FASTCALL | METH_KEYWORDS, "reserve slots (StorePlan) or None"},

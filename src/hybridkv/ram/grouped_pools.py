@@ -85,8 +85,9 @@ class GroupedPools:
                         del pins[key]
 
     # -- stores ----------------------------------------------------------------------------
-    def prepare_store(self, keys: GroupKeys) -> dict[int, StorePlan] | None:
-        """All groups place their keys, or none does (None = retry later, nothing changed)."""
+    def prepare_store(self, keys: GroupKeys, cold: bool = False) -> dict[int, StorePlan] | None:
+        """All groups place their keys, or none does (None = retry later, nothing changed).
+        ``cold``: the new keys enter the eviction order where it evicts first (``mark_cold``)."""
         news = {gid: self.pools[gid].new_keys(ks) for gid, ks in keys.items()}
         for gid, ks in keys.items():
             if not self.pools[gid].can_place(ks, news[gid]):
@@ -94,6 +95,10 @@ class GroupedPools:
                 return None
         plans = {gid: self.pools[gid].prepare_store(ks, news[gid]) for gid, ks in keys.items()}
         assert all(plan is not None for plan in plans.values()), "can_place promised room"
+        if cold:
+            for gid, plan in plans.items():
+                if plan.keys:
+                    self.pools[gid].mark_cold(plan.keys)
         return plans
 
     def complete_store(self, keys: GroupKeys, success: bool = True) -> None:

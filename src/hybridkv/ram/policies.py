@@ -32,6 +32,10 @@ class EvictionPolicy:
         """Choose and forget ``n`` evictable keys not in ``protected``, or None (no change)."""
         raise NotImplementedError
 
+    def demote(self, key: Hashable) -> None:
+        """Put an evictable key where this policy evicts first (a page stored cold)."""
+        raise NotImplementedError
+
     def evictable_count(self) -> int:
         raise NotImplementedError
 
@@ -65,6 +69,9 @@ class LRUPolicy(EvictionPolicy):
 
     def removed(self, key):
         self._order.pop(key, None)
+
+    def demote(self, key):
+        self._order.move_to_end(key, last=False)
 
     def touch(self, keys):
         order = self._order
@@ -179,6 +186,9 @@ class ARCPolicy(EvictionPolicy):
         if where is not None:
             self._size[where] -= 1
             (self._t1 if where == 1 else self._t2).pop(key, None)
+
+    def demote(self, key):
+        (self._t1 if self._list[key] == 1 else self._t2).move_to_end(key, last=False)
 
     def touch(self, keys):
         if len(keys) == 1:                 # hot path: one key, usually already in T2

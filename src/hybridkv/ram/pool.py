@@ -37,13 +37,14 @@ class StorePlan:
 
 class PoolEntry:
     """A resident key's slot and reference count: ``WRITE_PENDING`` until its bytes land (not
-    ready: invisible to loads), 0 when evictable, the number of pins otherwise. A class with
+    ready: invisible to loads), 0 when evictable, the number of pins otherwise; ``cold``: it
+    re-enters the eviction order where the policy evicts first (``mark_cold``). A class with
     ``__slots__`` rather than a dataclass: this is created once per store on the hot path."""
 
-    __slots__ = ("slot", "refs")
+    __slots__ = ("slot", "refs", "cold")
 
     def __init__(self, slot: int, refs: int = WRITE_PENDING):
-        self.slot, self.refs = slot, refs
+        self.slot, self.refs, self.cold = slot, refs, False
 
 
 class _Visibility(dict):
@@ -141,6 +142,8 @@ class SlotPool(PoolReports):
             entry.refs -= 1
             if entry.refs == 0:
                 policy.set_evictable(key, True)
+                if entry.cold:
+                    policy.demote(key)
 
     # -- stores --------------------------------------------------------------------------
     def new_keys(self, keys: Sequence) -> list:
@@ -198,6 +201,18 @@ class SlotPool(PoolReports):
             slots.append(s)
         return StorePlan(new, slots, evicted)
 
+    def mark_cold(self, keys: Sequence) -> None:
+        """Resident keys (a store the caller expects no reuse of) re-enter the eviction order
+        where the policy evicts first, now if evictable and whenever they are released; a
+        hit's ``touch`` still makes them most recent."""
+        entries = self._entries
+        for key in keys:
+            entry = entries.get(key)
+            if entry is not None:
+                entry.cold = True
+                if entry.refs == 0:
+                    self.policy.demote(key)
+
     def complete_store(self, keys: Sequence, success: bool = True) -> None:
         """Publish written keys (success) or release their slots (failure)."""
         entries, policy = self._entries, self.policy
@@ -207,6 +222,8 @@ class SlotPool(PoolReports):
                 entry.refs = 0
                 self._visible[keys[0]] = HIT
                 policy.set_evictable(keys[0], True)
+                if entry.cold:
+                    policy.demote(keys[0])
                 self.stores += 1
             return
         done = []
@@ -218,6 +235,8 @@ class SlotPool(PoolReports):
                 entry.refs = 0
                 self._visible[key] = HIT
                 policy.set_evictable(key, True)
+                if entry.cold:
+                    policy.demote(key)
             else:
                 del entries[key]
                 del self._visible[key]

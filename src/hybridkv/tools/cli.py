@@ -302,9 +302,10 @@ def _cmd_simulate(args) -> int:
 
     if bool(args.trace) == bool(args.workload):
         raise HybridKVError("give either --trace PATH or --workload NAME")
-    if (args.policy or args.compare) and (args.retention is not None or args.eviction != "lru"):
-        raise HybridKVError("--retention and --eviction change the default policy; leave them out with "
-                            "--policy or --compare (e.g. --policy periodic-4096)")
+    if (args.policy or args.compare) and (args.retention is not None or args.eviction != "lru"
+                                          or args.insertion is not None):
+        raise HybridKVError("--retention, --eviction and --insertion change the default policy; leave them out "
+                            "with --policy or --compare (e.g. --policy periodic-4096)")
     if args.layout:
         layout = load_layout(args.layout)
     elif args.model:
@@ -336,9 +337,10 @@ def _cmd_simulate(args) -> int:
     from hybridkv.config import parse_retention
 
     pol = policy(args.policy or policy_compare.RECOMMENDED)
-    if not args.policy:           # the default, with what --retention and --eviction change
+    if not args.policy:           # the default, with what --retention, --eviction and --insertion change
         changed = dataclasses.replace(pol, eviction=args.eviction, retention=pol.retention if args.retention is None
-                                      else parse_retention(args.retention))
+                                      else parse_retention(args.retention),
+                                      insertion=args.insertion or pol.insertion)
         pol = pol if changed == pol else dataclasses.replace(changed, name="custom")
     rows = [replay(layout, prompts, b, pol, name, reference, progress=not args.json).to_dict() for b in budgets]
     if args.json:
@@ -444,6 +446,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", help="a named policy: dense, vllm-align, semantic, semantic-tail, semantic-aligned, periodic-N, aligned-periodic-N, marconi, or aligned-periodic (hybridkv's default, the one replayed without --policy)")
     p.add_argument("--retention", help="without --policy: the default with this retention (auto, 0, N tokens or dense)")
     p.add_argument("--eviction", default="lru", choices=["lru", "arc"], help="without --policy: the default with this eviction")
+    p.add_argument("--insertion", choices=["adaptive", "warm", "cold"],
+                   help="without --policy: the default with new pages entering the eviction order so")
     p.add_argument("--compare", action="store_true", help="every policy and the ceilings in one table")
     p.add_argument("--policies", help="with --compare: a comma list instead of the default set")
     p.add_argument("--plot", help="with --compare: write a PNG chart here")

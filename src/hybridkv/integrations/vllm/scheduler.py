@@ -421,7 +421,7 @@ class SchedulerSide:
                  plan: StepPlan) -> bool:
         """One reservation for these blocks' pages in ``groups``; False where RAM refused it."""
         keys = ctx.state.keys
-        plans = self.cache.prepare_store({gid: [keys[j] for j in blocks] for gid in groups})
+        plans = self.cache.prepare_store({gid: [keys[j] for j in blocks] for gid in groups}, ctx.state.ticket.cold)
         if plans is None:
             return False
         block_of = {keys[j]: j for j in blocks}

@@ -1,0 +1,138 @@
+"""Where a request's new pages enter RAM's eviction order, chosen from the traffic itself.
+
+LRU puts every new page at the warm end. When sessions come back in a cycle longer than RAM
+holds (many users taking turns, agents stepping round-robin), LRU evicts each page shortly
+before its reuse and restores almost nothing. Storing the pages of a request that found little
+of itself cached at the cold end instead (one request in ``WARM_EVERY`` still warm, so a new
+working set can enter) keeps part of the cycle whole; on traffic whose reuse fits, it evicts
+pages LRU would have served. Which serves better is measured while serving: two shadow caches
+of keys alone, as large as the RAM pools, replay every request's hybrid hit under each
+insertion, and the one that restored more lately decides (the dynamic insertion policy of
+Qureshi et al., ISCA 2007, here over whole requests and with the hybrid hit rule).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hybridkv.core.errors import HybridKVError
+from hybridkv.core.retention import Retention, replay_boundary
+
+MODES = ("adaptive", "warm", "cold")
+WARM_EVERY = 32           # one request in 32 enters warm whatever it hit
+WARM_HIT_SHARE = 0.5      # a request that found this share of its prompt cached is reuse
+DECAY = 0.99              # the score's memory: about the last hundred requests
+
+
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise HybridKVError(f"insertion = {mode!r} is unknown; use adaptive (the default), warm (plain LRU) "
+                            "or cold (pages of requests that found under half their prompt enter cold)")
+    return mode
+
+
+class ShadowCache:
+    """Keys of RAM's pages, no bytes, in LRU order: attention blocks and kept states, each
+    bounded by the slots its pools have."""
+
+    def __init__(self, block_slots: int, state_slots: int | None):
+        self.blocks: OrderedDict[bytes, None] = OrderedDict()
+        self.states: OrderedDict[bytes, None] | None = None if state_slots is None else OrderedDict()
+        self.block_slots, self.state_slots = block_slots, state_slots
+
+    def hit_blocks(self, keys: Sequence[bytes], limit: int) -> int:
+        """Leading blocks the hybrid hit restores: present blocks up to the deepest one at whose
+        end a state is kept (any present block without states), at most ``limit``."""
+        blocks, states, best = self.blocks, self.states, 0
+        for i in range(limit):
+            if keys[i] not in blocks:
+                break
+            if states is None or keys[i] in states:
+                best = i + 1
+        return best
+
+    def record(self, keys: Sequence[bytes], hit: int, state_ends: Sequence[int], cold: bool) -> None:
+        """A request restored ``hit`` blocks and stored its other blocks and the states ending
+        at ``state_ends`` (block counts); ``cold`` stores them at the cold end."""
+        blocks, states = self.blocks, self.states
+        for key in keys[:hit]:
+            blocks.move_to_end(key)
+        if hit and states is not None:
+            states.move_to_end(keys[hit - 1])
+        for key in keys[hit:]:
+            self._put(blocks, self.block_slots, key, cold)
+        if states is not None:
+            for end in state_ends:
+                if end > hit:
+                    self._put(states, self.state_slots, keys[end - 1], cold)
+
+    @staticmethod
+    def _put(order: OrderedDict, slots: int, key: bytes, cold: bool) -> None:
+        if key in order:
+            return
+        order[key] = None
+        if cold:
+            order.move_to_end(key, last=False)
+        if len(order) > slots:
+            order.popitem(last=False)
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """What ``Insertion.begin`` decided for one request: ``cold`` for its stores; the blocks
+    the warm and the cold shadow restore for it; whether the cold shadow stores it warm."""
+
+    cold: bool
+    warm_hit: int = 0
+    cold_hit: int = 0
+    cold_shadow_warm: bool = True
+
+
+class Insertion:
+    """Decides per request whether its stores enter cold (``begin``) and learns from what it
+    would have restored under either insertion (``finished``). ``state_slots`` None: a model
+    without recurrent state."""
+
+    def __init__(self, mode: str, block_tokens: int, block_slots: int, state_slots: int | None):
+        self.mode = check_mode(mode)
+        self.B = block_tokens
+        self.requests = 0
+        self.score = 0.0          # > 0: the cold insertion restored more lately
+        self.cold_requests = 0
+        self.shadows = ((ShadowCache(block_slots, state_slots), ShadowCache(block_slots, state_slots))
+                        if mode == "adaptive" else None)
+
+    @property
+    def prefers_cold(self) -> bool:
+        return self.mode == "cold" or (self.mode == "adaptive" and self.score > 0)
+
+    def begin(self, keys: Sequence[bytes], n_tokens: int, hit_tokens: int) -> Ticket:
+        self.requests += 1
+        lucky = self.requests % WARM_EVERY == 0
+
+        def warm(hit: int) -> bool:
+            return lucky or (hit > 0 and hit >= WARM_HIT_SHARE * n_tokens)
+
+        cold = self.prefers_cold and not warm(hit_tokens)
+        self.cold_requests += cold
+        if self.shadows is None:
+            return Ticket(cold)
+        limit = min(len(keys), replay_boundary(n_tokens, self.B) // self.B)
+        warm_hit, cold_hit = (shadow.hit_blocks(keys, limit) for shadow in self.shadows)
+        return Ticket(cold, warm_hit, cold_hit, warm(cold_hit * self.B))
+
+    def finished(self, keys: Sequence[bytes], n_tokens: int, ticket: Ticket, retention: Retention,
+                 junction: int | None) -> None:
+        """The request is done: each shadow stores what it would have (the blocks past its hit,
+        the states ``retention`` keeps), and the score weighs what the two restored."""
+        if self.shadows is None:
+            return
+        B = self.B
+        full = keys[:n_tokens // B]
+        first = min(ticket.warm_hit, ticket.cold_hit) + 1
+        ends = [b // B for b in range(B * first, n_tokens + 1, B) if retention.keeps(b, n_tokens, junction)]
+        self.shadows[0].record(full, ticket.warm_hit, ends, False)
+        self.shadows[1].record(full, ticket.cold_hit, ends, not ticket.cold_shadow_warm)
+        self.score = DECAY * self.score + (ticket.cold_hit - ticket.warm_hit) * B

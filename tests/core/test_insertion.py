@@ -1,0 +1,94 @@
+"""Where stores enter RAM's eviction order: the shadows' hit rule and the adaptive choice."""
+
+import pytest
+
+from hybridkv.core.errors import HybridKVError
+from hybridkv.core.insertion import WARM_EVERY, Insertion, ShadowCache, check_mode
+from hybridkv.core.retention import Retention
+
+B = 16
+
+
+def session(s: int, blocks: int) -> list[bytes]:
+    return [f"s{s}-b{i}".encode() for i in range(blocks)]
+
+
+def serve(ins: Insertion, keys: list[bytes], hit_tokens: int = 0, retention: Retention | None = None):
+    """One request over ``keys`` (a prompt one token past its last full block), begun and
+    finished as the connector does."""
+    n_tokens = len(keys) * B + 1
+    ticket = ins.begin(keys, n_tokens, hit_tokens)
+    ins.finished(keys, n_tokens, ticket, retention or Retention(B, 0, 0), None)
+    return ticket
+
+
+def test_the_shadow_hit_ends_where_a_state_is_kept():
+    shadow = ShadowCache(block_slots=10, state_slots=10)
+    keys = session(0, 4)
+    shadow.record(keys, 0, [2, 4], cold=False)           # states after blocks 2 and 4
+    assert shadow.hit_blocks(keys, 4) == 4
+    assert shadow.hit_blocks(keys, 3) == 2               # the replay boundary stops it before 4
+    assert shadow.hit_blocks(session(1, 4), 4) == 0
+    shadow.blocks.pop(keys[2])
+    assert shadow.hit_blocks(keys, 4) == 2               # no block past a missing one
+
+
+def test_a_shadow_without_states_hits_every_present_block():
+    shadow = ShadowCache(block_slots=10, state_slots=None)
+    keys = session(0, 3)
+    shadow.record(keys, 0, [], cold=False)
+    assert shadow.hit_blocks(keys + session(1, 1), 4) == 3
+
+
+def test_a_shadow_holds_no_more_than_its_slots_and_cold_keys_leave_first():
+    shadow = ShadowCache(block_slots=4, state_slots=None)
+    shadow.record(session(0, 3), 0, [], cold=False)
+    shadow.record(session(1, 2), 0, [], cold=True)       # enters at the evicted-first end
+    assert len(shadow.blocks) == 4
+    assert all(k in shadow.blocks for k in session(0, 3))
+
+
+def test_a_cycle_longer_than_ram_turns_insertion_cold():
+    """Six sessions revisited round-robin, RAM for four: LRU evicts each just before its reuse;
+    storing cold keeps some whole, and the shadows see it."""
+    ins = Insertion("adaptive", B, block_slots=16, state_slots=None)
+    grown = {s: 0 for s in range(6)}
+    for _ in range(12):
+        for s in range(6):
+            grown[s] += 1
+            serve(ins, session(s, 2 + grown[s] % 2))
+    assert ins.prefers_cold
+    assert ins.score > 0
+
+
+def test_reuse_that_fits_keeps_insertion_warm():
+    """Each new session comes back once, two sessions later, and RAM holds what is stored and
+    used meanwhile: LRU serves every return, while a cold store is the first page evicted
+    once RAM is full."""
+    ins = Insertion("adaptive", B, block_slots=30, state_slots=None)
+    for t in range(200):
+        serve(ins, session(t, 3))
+        if t >= 2:
+            serve(ins, session(t - 2, 3) + session(10_000 + t, 1))
+    assert not ins.prefers_cold
+    assert ins.score < 0 and ins.cold_requests == 0
+
+
+def test_cold_mode_stores_cold_unless_the_request_found_half_its_prompt():
+    ins = Insertion("cold", B, block_slots=16, state_slots=None)
+    assert ins.shadows is None
+    tickets = [serve(ins, session(s, 4)) for s in range(WARM_EVERY)]
+    assert [t.cold for t in tickets] == [True] * (WARM_EVERY - 1) + [False]   # one in 32 warm
+    assert not serve(ins, session(0, 4), hit_tokens=3 * B).cold
+    assert serve(ins, session(0, 4), hit_tokens=B).cold
+
+
+def test_warm_mode_keeps_no_shadows_and_never_stores_cold():
+    ins = Insertion("warm", B, block_slots=4, state_slots=4)
+    assert ins.shadows is None
+    assert not any(serve(ins, session(s % 7, 3)).cold for s in range(100))
+
+
+def test_an_unknown_mode_names_the_choices():
+    with pytest.raises(HybridKVError, match="adaptive .*warm .*cold"):
+        check_mode("mru")
