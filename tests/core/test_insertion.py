@@ -33,6 +33,18 @@ def test_the_shadow_hit_ends_where_a_state_is_kept():
     assert shadow.hit_blocks(keys, 4) == 2               # no block past a missing one
 
 
+def test_a_hit_evicted_from_the_shadow_before_its_request_finished_is_stored_again():
+    """Requests overlap in an engine: others may evict what one hit between its begin and its
+    finish (or a reset may replace the shadows)."""
+    shadow = ShadowCache(block_slots=3, state_slots=3)
+    keys = session(0, 3)
+    shadow.record(keys, 0, [3], cold=False)
+    hit = shadow.hit_blocks(keys, 3)
+    shadow.record(session(1, 3), 0, [3], cold=False)      # evicts the first session's pages
+    shadow.record(keys, hit, [], cold=False)
+    assert list(shadow.blocks) == keys and keys[2] in shadow.states
+
+
 def test_a_shadow_without_states_hits_every_present_block():
     shadow = ShadowCache(block_slots=10, state_slots=None)
     keys = session(0, 3)

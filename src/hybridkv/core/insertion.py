@@ -55,11 +55,14 @@ class ShadowCache:
 
     def record(self, keys: Sequence[bytes], hit: int, state_ends: Sequence[int], cold: bool) -> None:
         """A request restored ``hit`` blocks and stored its other blocks and the states ending
-        at ``state_ends`` (block counts); ``cold`` stores them at the cold end."""
+        at ``state_ends`` (block counts); ``cold`` stores them at the cold end. What it hit is
+        made most recent, stored again if other requests evicted it since it began."""
         blocks, states = self.blocks, self.states
         for key in keys[:hit]:
+            self._put(blocks, self.block_slots, key, False)
             blocks.move_to_end(key)
         if hit and states is not None:
+            self._put(states, self.state_slots, keys[hit - 1], False)
             states.move_to_end(keys[hit - 1])
         for key in keys[hit:]:
             self._put(blocks, self.block_slots, key, cold)
