@@ -183,7 +183,7 @@ class Connector:
         self.state_groups = [g.id for g in self.groups if g.kind is GroupKind.STATE]
         self.stats = {"requests": 0, "hit_tokens": 0, "prompt_tokens": 0, "offers_retried": 0,
                       "offers_dropped": 0, "pages_stored": 0, "offers_pending": 0,
-                      "state_align_tokens": self.B, "replans": 0, "cold_requests": 0,
+                      "state_align_tokens": self.B, "replans": 0, "cold_requests": 0, "insertion_cold": 0,
                       "reference_tokens": cache.plan.reference_tokens}
         # reference_tokens unset: learn the prompt length the split between KV and states needs
         self.reference = (ReferenceLearner(self.B) if config.reference_tokens is None and self.state_groups
@@ -232,6 +232,7 @@ class Connector:
         req.retention = self.retention
         req.ticket = self.insertion.begin(req.keys, req.n_tokens, req.hit.tokens)
         self.stats["cold_requests"] += req.ticket.cold
+        self.stats["insertion_cold"] = int(self.insertion.prefers_cold)
         self.stats["requests"] += 1
         self.stats["prompt_tokens"] += req.n_tokens
         return req

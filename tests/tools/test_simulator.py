@@ -88,14 +88,24 @@ def test_adaptive_insertion_serves_sessions_that_cycle_past_ram(workload):
     """Sessions taking turns in a cycle longer than RAM holds: LRU evicts each one just before
     it returns; the adaptive insertion learns to store cold and keeps part of the cycle whole.
     Where RAM holds the cycle, it changes nothing."""
+    connectors = []
+
+    class Recording(Connector):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            connectors.append(self)
+
     def rate(kib, insertion):
         pol = Policy(insertion, retention=0, insertion=insertion)
-        result = replay(LAYOUT, workload_prompts(workload), kib * 1024, pol, workload, 8192)
+        result = replay(LAYOUT, workload_prompts(workload), kib * 1024, pol, workload, 8192, connector=Recording)
         assert result.wrong_hits == 0
         return result.token_hit_rate
 
     assert rate(600, "adaptive") > rate(600, "warm") + 0.25
+    adaptive = connectors[0].stats
+    assert adaptive["insertion_cold"] == 1 and adaptive["cold_requests"] > 0
     assert rate(2000, "adaptive") == rate(2000, "warm")
+    assert connectors[2].stats["insertion_cold"] == 0
 
 
 # -- traces, policies and the wrong-hit check ------------------------------------------------
