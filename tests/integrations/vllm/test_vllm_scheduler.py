@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from hybridkv import connector as connector_module
+from hybridkv.cache import store_pages
 from hybridkv.core.errors import HybridKVError
 from hybridkv.integrations.vllm import stats_file as stats_file_module
 from hybridkv.integrations.vllm.messages import ENGINE_S_ALONE, RankReport, WorkerReport
@@ -169,6 +170,24 @@ def test_blocks_ram_cannot_take_at_once_are_reserved_one_by_one_from_the_first(t
     plan = side.plan_step({"w": (0, 3 * B)}, lambda rid: BLOCK_IDS, {})
     assert sorted(c.blocks for cs in plan.stores.values() for c in cs) == [[4], [5]]   # 2 slots were left
     assert side.stats.stores_refused == 1            # the third block, refused
+    side.close()
+
+
+@pytest.mark.parametrize("insertion", ["warm", "cold"])
+def test_the_pages_of_a_request_the_insertion_sends_in_cold_are_evicted_before_older_ones(tmp_path, insertion):
+    config, kv = vllm_objects(block=B)
+    config.kv_transfer_config = SimpleNamespace(kv_load_failure_policy="fail")
+    side = SchedulerSide(config, kv, {"ram_dir": str(tmp_path), "ram_bytes": "512KiB", "insertion": insertion})
+    older = [bytes([i]) * 16 for i in range(4)]
+    assert store_pages(side.cache, {1: [(key, page(side, 1, i)) for i, key in enumerate(older)]})
+    side.match(request("w"), 0)                      # no hit: cold under the cold insertion
+    plan = side.plan_step({"w": (0, 3 * B)}, lambda rid: BLOCK_IDS, {})
+    side.on_report(report(0, stored=set(plan.stores)))
+    assert side.cache.stats()["groups"][1]["used"] == 7 == side.cache.stats()["groups"][1]["slots"]
+    (victim,) = side.cache.prepare_store({1: [b"new" * 6]})[1].evicted
+    probe = side.connector.begin("probe", PROMPT)
+    side.connector.finish(probe)
+    assert victim in probe.keys[:3] if insertion == "cold" else victim == older[0]
     side.close()
 
 
