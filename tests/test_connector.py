@@ -523,3 +523,31 @@ def test_a_replan_that_cannot_be_made_stops_the_learning_with_a_warning(tmp_path
             time.sleep(0.01)
         assert conn.reference is None and conn.stats["replans"] == 0
         assert any("RAM stays split for 4096-token prompts" in r.getMessage() for r in caplog.records)
+
+
+def test_a_request_the_engine_will_ask_about_again_teaches_the_insertion_nothing(cache):
+    """vLLM finishes a request it looks up afresh (allocated or preempted) and begins it again:
+    only its last, real run may enter the shadows."""
+    conn = Connector(cache)
+    prompt = tokens(4 * B + 1, 7)
+    conn.finish(conn.begin("again", prompt), done=False)
+    assert not conn.insertion.shadows[0].blocks
+    conn.finish(conn.begin("again", prompt))
+    assert len(conn.insertion.shadows[0].blocks) == 4
+
+
+def test_the_insertion_keeps_its_score_across_a_reset_with_empty_shadows(cache):
+    conn = Connector(cache)
+    conn.finish(conn.begin("r", tokens(4 * B + 1, 7)))
+    conn.insertion.score = 123.0
+    conn.forget_all()
+    assert conn.insertion.score == 123.0 and not conn.insertion.shadows[0].blocks
+    assert conn.stats["insertion_cold"] == 1
+
+
+@pytest.mark.parametrize("insertion, used", [("adaptive", "warm"), ("cold", "cold"), ("warm", "warm")])
+def test_under_arc_the_shadows_of_lru_do_not_decide(tmp_path, insertion, used):
+    config = CacheConfig(block_tokens=B, ram_bytes=1024**2, ram_dir=str(tmp_path), eviction="arc",
+                         insertion=insertion)
+    with TieredCache(LAYOUT, config) as cache:
+        assert Connector(cache).insertion.mode == used

@@ -183,7 +183,7 @@ class Connector:
         self.state_groups = [g.id for g in self.groups if g.kind is GroupKind.STATE]
         self.stats = {"requests": 0, "hit_tokens": 0, "prompt_tokens": 0, "offers_retried": 0,
                       "offers_dropped": 0, "pages_stored": 0, "offers_pending": 0,
-                      "state_align_tokens": self.B, "replans": 0, "cold_requests": 0, "insertion_cold": 0,
+                      "state_align_tokens": self.B, "replans": 0, "cold_requests": 0,
                       "reference_tokens": cache.plan.reference_tokens}
         # reference_tokens unset: learn the prompt length the split between KV and states needs
         self.reference = (ReferenceLearner(self.B) if config.reference_tokens is None and self.state_groups
@@ -193,12 +193,15 @@ class Connector:
         self._epoch = b""          # enters every key; a new one when the weights change
         self.insertion = self._new_insertion()
 
-    def _new_insertion(self) -> Insertion:
-        """Where stores enter RAM's eviction order, its shadows as large as the pools now."""
-        plan = self.cache.plan
+    def _new_insertion(self, score: float = 0.0) -> Insertion:
+        """Where stores enter RAM's eviction order, its shadows as large as the pools now. The
+        shadows replay LRU: under another eviction policy ``adaptive`` stores warm."""
+        plan, config = self.cache.plan, self.cache.config
         state_slots = [g.slots for g in plan.groups if g.id in self.state_groups]
-        return Insertion(self.cache.config.insertion, self.B, plan.token_slots,
-                         min(state_slots) if state_slots else None)
+        mode = "warm" if config.insertion == "adaptive" and config.eviction != "lru" else config.insertion
+        insertion = Insertion(mode, self.B, plan.token_slots, min(state_slots) if state_slots else None, score)
+        self.stats["insertion_cold"] = int(insertion.prefers_cold)
+        return insertion
 
     # -- lookup and load --------------------------------------------------------------------
     def begin(self, request_id: str, tokens: Sequence[int], salt: str | None = None,
@@ -339,7 +342,7 @@ class Connector:
         is using (returns how many). Disk and Redis pages age out under their quotas: a restart
         on the original weights finds the pages made with them, which are valid there."""
         self._epoch = secrets.token_bytes(16)
-        self.insertion = self._new_insertion()
+        self.insertion = self._new_insertion(self.insertion.score)
         return self.cache.forget_ram()
 
     def hit_blocks(self, req: RequestState) -> dict[int, range]:
@@ -477,8 +480,10 @@ class Connector:
             self._try_store(req, offer)
         self.cache.poll()
 
-    def finish(self, req: RequestState) -> None:
-        """Request done or preempted: pending offers lose their source and are dropped."""
+    def finish(self, req: RequestState, done: bool = True) -> None:
+        """Request done or preempted: pending offers lose their source and are dropped. Not
+        ``done``: the engine will ask about it again (it is begun afresh), so the insertion
+        does not learn from it yet."""
         self.step(req)
         if req.pending:
             log.warning("request %s finished with %d page offers RAM could not take; dropped",
@@ -488,8 +493,9 @@ class Connector:
             req.pending.clear()
         self.release(req)
         self.cache.request_finished(req.request_id)
-        if req.retention is not None:
-            self.insertion.finished(req.keys, req.n_tokens, req.ticket, req.retention, req.hit.junction)
+        if done and req.retention is not None:
+            self.insertion.finished(req.keys, req.n_tokens, req.ticket, req.retention, req.hit.junction,
+                                    req.max_stored_tokens)
         if self.reference is not None:
             self._learn_reference(req)
 
@@ -508,7 +514,7 @@ class Connector:
             self.reference = None
             return
         self.reference.replanned()
-        self.insertion = self._new_insertion()
+        self.insertion = self._new_insertion(self.insertion.score)
         self.stats["replans"] += 1
         self.stats["reference_tokens"] = want
         log.info("RAM re-planned for %d-token prompts, the mean of the %d so far (reference_tokens is not "

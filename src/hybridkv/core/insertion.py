@@ -13,6 +13,8 @@ insertion policy of Qureshi et al., ISCA 2007, over whole requests, with the hyb
 
 from __future__ import annotations
 
+import itertools
+import random
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,7 +23,7 @@ from hybridkv.core.errors import HybridKVError
 from hybridkv.core.retention import Retention, replay_boundary
 
 MODES = ("adaptive", "warm", "cold")
-WARM_EVERY = 32           # one request in 32 enters warm whatever it hit
+WARM_EVERY = 32           # one request in 32 (drawn) enters warm whatever it hit
 WARM_HIT_SHARE = 0.5      # a request that found this share of its prompt cached is reuse
 # The score's memory: about the last 10,000 requests. A short memory (100 or 1,000 requests)
 # switched with every phase of mixed traffic and lost to both insertions held steady (the
@@ -77,6 +79,8 @@ class ShadowCache:
 
     @staticmethod
     def _put(order: OrderedDict, slots: int, key: bytes, cold: bool) -> None:
+        """A cold key stored into a full shadow leaves at once; a pool keeps it at the front
+        until its next store, which the request's own next page usually is."""
         if key in order:
             return
         order[key] = None
@@ -89,57 +93,66 @@ class ShadowCache:
 @dataclass(frozen=True)
 class Ticket:
     """What ``Insertion.begin`` decided for one request: ``cold`` for its stores; the blocks
-    the warm and the cold shadow restore for it; whether the cold shadow stores it warm."""
+    the warm and the cold shadow restore for it; whether the cold shadow stores it warm; the
+    ``Insertion`` that issued it (a ticket from before a reset teaches the new one nothing)."""
 
     cold: bool
     warm_hit: int = 0
     cold_hit: int = 0
     cold_shadow_warm: bool = True
+    issuer: int = 0
 
 
 class Insertion:
     """Decides per request whether its stores enter cold (``begin``) and learns from what it
     would have restored under either insertion (``finished``). ``state_slots`` None: a model
-    without recurrent state."""
+    without recurrent state; ``score``: carried over from the insertion this one replaces (the
+    traffic did not change when RAM was re-planned or reset)."""
 
-    def __init__(self, mode: str, block_tokens: int, block_slots: int, state_slots: int | None):
+    _issued = itertools.count(1)
+
+    def __init__(self, mode: str, block_tokens: int, block_slots: int, state_slots: int | None,
+                 score: float = 0.0):
         self.mode = check_mode(mode)
         self.B = block_tokens
-        self.requests = 0
-        self.score = 0.0          # > 0: the cold insertion restored more lately
-        self.cold_requests = 0
+        self.score = score        # > 0: the cold insertion restored more lately
         self.shadows = ((ShadowCache(block_slots, state_slots), ShadowCache(block_slots, state_slots))
                         if mode == "adaptive" else None)
+        self._id = next(self._issued)
+        # A request's warm turn is drawn, not counted: with a count, users taking turns in a
+        # cycle whose length is a multiple of WARM_EVERY would always give it to the same users.
+        # A fixed seed: a replay's result does not depend on what ran before it.
+        self._draw = random.Random(0)
 
     @property
     def prefers_cold(self) -> bool:
         return self.mode == "cold" or (self.mode == "adaptive" and self.score > 0)
 
     def begin(self, keys: Sequence[bytes], n_tokens: int, hit_tokens: int) -> Ticket:
-        self.requests += 1
-        lucky = self.requests % WARM_EVERY == 0
+        lucky = self._draw.random() * WARM_EVERY < 1
 
         def warm(hit: int) -> bool:
             return lucky or (hit > 0 and hit >= WARM_HIT_SHARE * n_tokens)
 
         cold = self.prefers_cold and not warm(hit_tokens)
-        self.cold_requests += cold
         if self.shadows is None:
-            return Ticket(cold)
+            return Ticket(cold, issuer=self._id)
         limit = min(len(keys), replay_boundary(n_tokens, self.B) // self.B)
         warm_hit, cold_hit = (shadow.hit_blocks(keys, limit) for shadow in self.shadows)
-        return Ticket(cold, warm_hit, cold_hit, warm(cold_hit * self.B))
+        return Ticket(cold, warm_hit, cold_hit, warm(cold_hit * self.B), self._id)
 
     def finished(self, keys: Sequence[bytes], n_tokens: int, ticket: Ticket, retention: Retention,
-                 junction: int | None) -> None:
-        """The request is done: each shadow stores what it would have (the blocks past its hit,
-        the states ``retention`` keeps), and the score weighs what the two restored."""
-        if self.shadows is None:
+                 junction: int | None, stored_tokens: int | None = None) -> None:
+        """The request ran to its end: each shadow stores what it would have (the blocks past its
+        hit, the states ``retention`` keeps, up to ``stored_tokens`` where the engine caps what
+        a request stores), and the score weighs what the two restored."""
+        if self.shadows is None or ticket.issuer != self._id:
             return
         B = self.B
-        full = keys[:n_tokens // B]
+        end = n_tokens if stored_tokens is None else min(n_tokens, stored_tokens)
+        full = keys[:end // B]
         first = min(ticket.warm_hit, ticket.cold_hit) + 1
-        ends = [b // B for b in range(B * first, n_tokens + 1, B) if retention.keeps(b, n_tokens, junction)]
+        ends = [b // B for b in range(B * first, end + 1, B) if retention.keeps(b, n_tokens, junction)]
         self.shadows[0].record(full, ticket.warm_hit, ends, False)
         self.shadows[1].record(full, ticket.cold_hit, ends, not ticket.cold_shadow_warm)
         self.score = DECAY * self.score + (ticket.cold_hit - ticket.warm_hit) * B

@@ -504,7 +504,7 @@ class SchedulerSide:
                                  "match_ms": round(ctx.match_ms, 3),
                                  "sources": dict(ctx.state.sources) if ctx.loaded_tokens else {},
                                  "stored": dict(ctx.state.stored)})
-            self.connector.finish(ctx.state)
+            self.connector.finish(ctx.state, done=final)
         if self.stats_file is not None and not self._closed and self.stats_file.due():
             self.stats_file.write_soon(self.summary())
 
