@@ -251,31 +251,27 @@ static void drop_entry(Pool *p, int32_t id) {
 
 /* ---- intrusive lists ------------------------------------------------------------------ */
 
-static void push_back(Pool *p, int l, int32_t id) {
+/* Link an entry into list l just before entry `at` (EMPTY: at the back, the most recent end). */
+static void insert_before(Pool *p, int l, int32_t id, int32_t at) {
     Entry *en = &p->e[id];
+    int32_t prev = at == EMPTY ? p->tail[l] : p->e[at].prev;
     en->list = (int8_t)l;
-    en->next = EMPTY;
-    en->prev = p->tail[l];
-    if (p->tail[l] != EMPTY)
-        p->e[p->tail[l]].next = id;
+    en->prev = prev;
+    en->next = at;
+    if (prev != EMPTY)
+        p->e[prev].next = id;
     else
         p->head[l] = id;
-    p->tail[l] = id;
+    if (at != EMPTY)
+        p->e[at].prev = id;
+    else
+        p->tail[l] = id;
     p->len[l]++;
 }
 
-static void push_front(Pool *p, int l, int32_t id) {
-    Entry *en = &p->e[id];
-    en->list = (int8_t)l;
-    en->prev = EMPTY;
-    en->next = p->head[l];
-    if (p->head[l] != EMPTY)
-        p->e[p->head[l]].prev = id;
-    else
-        p->tail[l] = id;
-    p->head[l] = id;
-    p->len[l]++;
-}
+static void push_back(Pool *p, int l, int32_t id) { insert_before(p, l, id, EMPTY); }
+
+static void push_front(Pool *p, int l, int32_t id) { insert_before(p, l, id, p->head[l]); }
 
 static void unlink_entry(Pool *p, int32_t id) {
     Entry *en = &p->e[id];
@@ -482,59 +478,54 @@ static PyObject *Pool_lookup(Pool *p, PyObject *key) {
     return Py_NewRef(answer == ANSWER_HIT ? HIT : answer == ANSWER_PENDING ? HIT_PENDING : MISS);
 }
 
-static PyObject *Pool_touch(Pool *p, PyObject *keys) {
+/* Calls fn on the entry of every resident key of `keys`, the last key first if `backwards`. */
+static PyObject *each_resident(Pool *p, PyObject *keys, int backwards, void (*fn)(Pool *, int32_t)) {
     PyObject *f = fast(keys);
     if (f == NULL)
         return NULL;
     PyObject **items = PySequence_Fast_ITEMS(f);
-    for (Py_ssize_t i = PySequence_Fast_GET_SIZE(f) - 1; i >= 0; i--) {
-        int32_t id = resident_of(p, items[i]);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(f);
+    for (Py_ssize_t k = 0; k < n; k++) {
+        int32_t id = resident_of(p, items[backwards ? n - 1 - k : k]);
         if (id == -2) {
             Py_DECREF(f);
             return NULL;
         }
-        if (id < 0)
-            continue;
-        Entry *en = &p->e[id];
-        if (en->where == IN_T1 && p->policy == POLICY_ARC) {   /* seen again: T1 -> T2 */
-            en->where = IN_T2;
-            p->size1--;
-            p->size2++;
-            if (en->list == T1) {
-                unlink_entry(p, id);
-                push_back(p, T2, id);
-            }
-        } else if (en->list != NO_LIST) {
-            move_to_back(p, id);
-        }
+        if (id >= 0)
+            fn(p, id);
     }
     Py_DECREF(f);
     Py_RETURN_NONE;
 }
 
-static PyObject *Pool_mark_cold(Pool *p, PyObject *keys) {
-    PyObject *f = fast(keys);
-    if (f == NULL)
-        return NULL;
-    PyObject **items = PySequence_Fast_ITEMS(f);
-    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(f); i++) {
-        int32_t id = resident_of(p, items[i]);
-        if (id == -2) {
-            Py_DECREF(f);
-            return NULL;
-        }
-        if (id < 0)
-            continue;
-        p->e[id].cold = 1;
-        int l = p->e[id].list;
-        if (l != NO_LIST) {      /* evictable now: to the front of its list at once */
+static void touch_entry(Pool *p, int32_t id) {
+    Entry *en = &p->e[id];
+    if (en->where == IN_T1 && p->policy == POLICY_ARC) {   /* seen again: T1 -> T2 */
+        en->where = IN_T2;
+        p->size1--;
+        p->size2++;
+        if (en->list == T1) {
             unlink_entry(p, id);
-            push_front(p, l, id);
+            push_back(p, T2, id);
         }
+    } else if (en->list != NO_LIST) {
+        move_to_back(p, id);
     }
-    Py_DECREF(f);
-    Py_RETURN_NONE;
 }
+
+static void mark_cold_entry(Pool *p, int32_t id) {
+    int l = p->e[id].list;
+    p->e[id].cold = 1;
+    if (l != NO_LIST) {      /* evictable now: to the front of its list at once */
+        unlink_entry(p, id);
+        push_front(p, l, id);
+    }
+}
+
+/* Keys of one request in prefix order: the prefix ends up most recent (last key first). */
+static PyObject *Pool_touch(Pool *p, PyObject *keys) { return each_resident(p, keys, 1, touch_entry); }
+
+static PyObject *Pool_mark_cold(Pool *p, PyObject *keys) { return each_resident(p, keys, 0, mark_cold_entry); }
 
 /* Keys not resident or in flight, first occurrence only (list). */
 static PyObject *new_keys_of(Pool *p, PyObject *f) {
