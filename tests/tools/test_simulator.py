@@ -108,6 +108,20 @@ def test_adaptive_insertion_serves_sessions_that_cycle_past_ram(workload):
     assert connectors[2].stats["insertion_cold"] == 0
 
 
+def test_the_equal_bytes_ceiling_bounds_the_learned_insertion_too():
+    """Chat users taking turns at 2 GiB on the shipped layout: with states free, plain LRU
+    thrashes (51.9%) where the learned insertion keeps part of the cycle; the ceiling is the
+    better of the two, so no policy replayed beside it exceeds it."""
+    from hybridkv.config import load_layout
+    from hybridkv.tools.bench_policies import LAYOUT as SHIPPED
+
+    layout = load_layout(SHIPPED)
+    out = compare(layout, workload_prompts("multi_turn_chat"), [2 * 1024**3], "m", 2560, ["semantic"]).to_json()
+    assert out["ceiling_equal_bytes"][0] > 0.6
+    assert all(p["token_hit_rate"][0] <= out["ceiling_equal_bytes"][0] for p in out["policies"].values())
+    assert out["ceiling_at_recommended_attention_bytes"][0] <= out["ceiling_equal_bytes"][0]
+
+
 # -- traces, policies and the wrong-hit check ------------------------------------------------
 def _trace(tmp_path, lines, name="t.jsonl"):
     path = tmp_path / name

@@ -1,8 +1,8 @@
 """Every state policy on one trace and the same RAM budgets, beside the ceilings that bound them.
 
 The attention-only ceiling at equal bytes replays the trace with state pages costing nothing
-(all bytes go to attention pages and every boundary has a state): no state policy can do
-better at that budget. The unlimited ceiling is what the trace's repeated prefixes allow at
+(all bytes go to attention pages and every boundary has a state), under plain LRU and under the
+learned insertion, and keeps the better: no state policy can do better at that budget. The unlimited ceiling is what the trace's repeated prefixes allow at
 all. Marconi's weight between recency and FLOPs saved is tuned per budget on the first part
 of the trace, as its paper bootstraps it. The recommended policy also runs as a cache with
 no ``reference_tokens`` plans RAM (for prompts of the model's maximum length, until it has
@@ -113,22 +113,29 @@ def compare(layout: Layout, prompts: Sequence[np.ndarray], budgets: Sequence[int
     token_bytes = sum(g.page_bytes for g in layout.cacheable_groups if g.is_token_group)
     shares = [plan_pools(layout, b, rec.interval(layout.block_tokens), reference_tokens, None, rec.tail).token_slots * token_bytes
               for b in budgets]
-    kv_only = Policy("attention-only ceiling", states=False)
+    kv_only = [Policy("attention-only ceiling", states=False, insertion=insertion) for insertion in ("warm", "adaptive")]
     # (result row, policy, budget, reference_tokens: None as a cache not told it)
     runs = [(name, name, b, reference_tokens) for name in names for b in budgets]
-    runs += [("ceiling", kv_only, b, reference_tokens) for b in budgets]
+    runs += [(f"ceiling {i}", pol, b, reference_tokens) for i, pol in enumerate(kv_only) for b in budgets]
     runs += [("unset", RECOMMENDED, b, None) for b in budgets]
-    runs += [("share", kv_only, b, reference_tokens) for b in shares]
-    results: dict[str, list[SimResult]] = {name: [] for name in [*names, "ceiling", "share", "unset"]}
+    runs += [(f"share {i}", pol, b, reference_tokens) for i, pol in enumerate(kv_only) for b in shares]
+    rows = [*names, "ceiling 0", "ceiling 1", "share 0", "share 1", "unset"]
+    results: dict[str, list[SimResult]] = {name: [] for name in rows}
     for row, pol, budget, reference in tqdm(runs, desc=workload or "compare", unit="run", disable=not progress):
         if pol == "marconi":
             pol = _tuned_marconi(layout, prompts, budget, reference_tokens)
         elif isinstance(pol, str):
             pol = policy(pol)
         results[row].append(replay(layout, prompts, budget, pol, workload, reference, progress=progress))
-    ceiling, share, unset = results.pop("ceiling"), results.pop("share"), results.pop("unset")
+    ceiling, share = (_better(results.pop(f"{row} 0"), results.pop(f"{row} 1")) for row in ("ceiling", "share"))
     return Comparison(workload, list(budgets), results, ceiling, share,
-                      [s / b for s, b in zip(shares, budgets, strict=True)], unset, default_reference_tokens(layout))
+                      [s / b for s, b in zip(shares, budgets, strict=True)], results.pop("unset"),
+                      default_reference_tokens(layout))
+
+
+def _better(plain: list[SimResult], learned: list[SimResult]) -> list[SimResult]:
+    """Per budget, the replay that restored more: the ceiling must bound every insertion."""
+    return [max(a, b, key=lambda r: r.token_hit_rate) for a, b in zip(plain, learned, strict=True)]
 
 
 def _gib(b: int) -> str:
