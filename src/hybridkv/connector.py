@@ -235,7 +235,6 @@ class Connector:
         req.retention = self.retention
         req.ticket = self.insertion.begin(req.keys, req.n_tokens, req.hit.tokens)
         self.stats["cold_requests"] += req.ticket.cold
-        self.stats["insertion_cold"] = int(self.insertion.prefers_cold)
         self.stats["requests"] += 1
         self.stats["prompt_tokens"] += req.n_tokens
         return req
@@ -496,6 +495,7 @@ class Connector:
         if done and req.retention is not None:
             self.insertion.finished(req.keys, req.n_tokens, req.ticket, req.retention, req.hit.junction,
                                     req.max_stored_tokens)
+            self.stats["insertion_cold"] = int(self.insertion.prefers_cold)
         if self.reference is not None:
             self._learn_reference(req)
 

@@ -129,6 +129,8 @@ class Insertion:
         return self.mode == "cold" or (self.mode == "adaptive" and self.score > 0)
 
     def begin(self, keys: Sequence[bytes], n_tokens: int, hit_tokens: int) -> Ticket:
+        if self.mode == "warm":           # plain LRU: nothing to draw or replay
+            return Ticket(False, issuer=self._id)
         lucky = self._draw.random() * WARM_EVERY < 1
 
         def warm(hit: int) -> bool:

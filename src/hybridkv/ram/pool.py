@@ -134,16 +134,14 @@ class SlotPool(PoolReports):
         return slots
 
     def complete_load(self, keys: Sequence) -> None:
-        entries, policy = self._entries, self.policy
+        entries = self._entries
         for key in keys:
             entry = entries[key]
             if entry.refs <= 0:
                 raise ValueError(f"group {self.group_id}: complete_load without prepare_load")
             entry.refs -= 1
             if entry.refs == 0:
-                policy.set_evictable(key, True)
-                if entry.cold:
-                    policy.demote(key)
+                self._evictable(key, entry)
 
     # -- stores --------------------------------------------------------------------------
     def new_keys(self, keys: Sequence) -> list:
@@ -201,6 +199,13 @@ class SlotPool(PoolReports):
             slots.append(s)
         return StorePlan(new, slots, evicted)
 
+    def _evictable(self, key, entry: PoolEntry) -> None:
+        """A published or released key enters the eviction order: at its evicted-first end if
+        stored cold (as ``set_evictable`` does in the compiled pool)."""
+        self.policy.set_evictable(key, True)
+        if entry.cold:
+            self.policy.demote(key)
+
     def mark_cold(self, keys: Sequence) -> None:
         """Resident keys (a store the caller expects no reuse of) re-enter the eviction order
         where the policy evicts first, now if evictable and whenever they are released; a
@@ -221,9 +226,7 @@ class SlotPool(PoolReports):
             if entry is not None and entry.refs == WRITE_PENDING:
                 entry.refs = 0
                 self._visible[keys[0]] = HIT
-                policy.set_evictable(keys[0], True)
-                if entry.cold:
-                    policy.demote(keys[0])
+                self._evictable(keys[0], entry)
                 self.stores += 1
             return
         done = []
@@ -234,9 +237,7 @@ class SlotPool(PoolReports):
             if success:
                 entry.refs = 0
                 self._visible[key] = HIT
-                policy.set_evictable(key, True)
-                if entry.cold:
-                    policy.demote(key)
+                self._evictable(key, entry)
             else:
                 del entries[key]
                 del self._visible[key]

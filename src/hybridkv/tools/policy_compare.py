@@ -2,8 +2,8 @@
 
 The attention-only ceiling at equal bytes replays the trace with state pages costing nothing
 (all bytes go to attention pages and every boundary has a state), under plain LRU and under the
-learned insertion, and keeps the better: no state policy can do better at that budget. The unlimited ceiling is what the trace's repeated prefixes allow at
-all. Marconi's weight between recency and FLOPs saved is tuned per budget on the first part
+learned insertion, and keeps the better: no state policy can do better at that budget. The
+unlimited ceiling is what the trace's repeated prefixes allow at all. Marconi's weight between recency and FLOPs saved is tuned per budget on the first part
 of the trace, as its paper bootstraps it. The recommended policy also runs as a cache with
 no ``reference_tokens`` plans RAM (for prompts of the model's maximum length, until it has
 learned the traffic's): what the setting is worth on this trace.
