@@ -33,6 +33,14 @@ def test_file_env_and_overrides_precedence(tmp_path):
     assert cfg.ram_bytes == 64 * 1024**2 and cfg.eviction == "arc"
 
 
+def test_switches_read_from_file_and_environment(tmp_path):
+    toml = tmp_path / "cache.toml"
+    toml.write_text("spare_states = false\n")
+    assert load_config(toml, environ={}).spare_states is False
+    assert load_config(toml, environ={"HYBRIDKV_SPARE_STATES": "on"}).spare_states is True
+    assert load_config(environ={}).spare_states is True
+
+
 def test_json_config(tmp_path):
     path = tmp_path / "c.json"
     path.write_text('{"store": "/tmp/x", "fs_bytes": "10GB", "remote": "redis://127.0.0.1:1/0"}')
@@ -60,6 +68,7 @@ def test_json_config(tmp_path):
     ({"state_align": "sometimes"}, "state_align: 'sometimes' is invalid; use auto"),
     ({"state_align": -64}, "state_align: -64 is invalid"),
     ({"state_align": 96}, "state_align 96 is not a multiple of block_tokens 64"),
+    ({"spare_states": "maybe"}, "spare_states: 'maybe' is not a switch; use true or false"),
 ])
 def test_config_errors(overrides, fragment):
     with pytest.raises(HybridKVError) as info:

@@ -109,10 +109,53 @@ def test_finish_releases_pins_a_request_still_holds(cache):
 
 def test_state_offers_follow_retention_and_caps(cache):
     conn = Connector(cache)
+    conn.spare_states = False
     req = conn.begin("r", tokens(5 * B + 3, 4), max_stored_tokens=3 * B)
     assert [b for b in range(0, 6 * B, B) if conn.wants_state(req, b)] == []   # replay 5B is over the cap
     req = conn.begin("r2", tokens(5 * B + 3, 4))
     assert [b for b in range(0, 6 * B, B) if conn.wants_state(req, b)] == [5 * B]
+
+
+def test_spare_states_fill_free_state_slots_and_never_evict(cache):
+    conn = Connector(cache)
+    first = _serve(conn, "a", tokens(5 * B + 3, 4))
+    # the retention keeps the replay boundary 5B; the two free state slots took spares first,
+    # and the kept state then evicted one of them (spares enter cold), not a kept state
+    assert first.stored["state"] == 3 and conn.stats["spare_states"] == 2
+    states = cache.pools.pool(1)
+    assert first.keys[4] in states and len(states) == 2
+    second = _serve(conn, "b", tokens(5 * B + 3, 5))
+    assert conn.stats["spare_states"] == 2                    # no free slot: no spare offered
+    assert second.keys[4] in states and first.keys[4] in states   # both kept states stay
+
+
+def test_a_spare_state_serves_a_branch_before_any_junction(tmp_path):
+    document = tokens(4 * B, 0)
+    config = CacheConfig(block_tokens=B, ram_bytes=64 * 1024**2, ram_dir=str(tmp_path), tail_states=0,
+                         state_align=0)
+    with TieredCache(LAYOUT, config) as spare_cache, \
+            TieredCache(LAYOUT, config.replace(spare_states=False)) as plain_cache:
+        hits = []
+        for c in (spare_cache, plain_cache):
+            conn = Connector(c)
+            _serve(conn, "a", document + tokens(B + 5, 1))
+            hits.append(conn.begin("b", document + tokens(B + 5, 2)).hit_tokens)
+    assert hits == [4 * B, 0]          # without spares, b only learns the junction at 4B
+
+
+def test_spare_states_stay_in_ram(tmp_path):
+    from hybridkv.tiers.filesystem import FilesystemTier
+
+    fs = FilesystemTier(tmp_path / "fs", LAYOUT)
+    config = CacheConfig(block_tokens=B, ram_bytes=64 * 1024**2, ram_dir=str(tmp_path), tail_states=0,
+                         state_align=0)
+    with TieredCache(LAYOUT, config, secondaries=[fs]) as c:
+        conn = Connector(c)
+        req = _serve(conn, "a", tokens(3 * B + 5, 1))
+        c.drain()
+        assert conn.stats["spare_states"] == 2                  # at B and 2B; 3B is kept
+        assert fs.contains_many(1, req.keys[:3]) == [False, False, True]
+        assert fs.contains_many(0, req.keys[:3]) == [True, True, True]
 
 
 def test_misses_are_counted_per_tier(tmp_path):
@@ -443,7 +486,8 @@ def test_the_connector_learns_where_prompts_diverge(tmp_path, chunk, learned):
     divergences on any block keep the replay boundary and the tail."""
     rng = np.random.default_rng(chunk)
     document = tokens(40 * B, 0)
-    with TieredCache(LAYOUT, CacheConfig(block_tokens=B, ram_bytes=64 * 1024**2, ram_dir=str(tmp_path))) as cache:
+    with TieredCache(LAYOUT, CacheConfig(block_tokens=B, ram_bytes=64 * 1024**2, ram_dir=str(tmp_path),
+                                         spare_states=False)) as cache:
         conn = Connector(cache)
         assert conn.retention.tail == 1 and conn.stats["state_align_tokens"] == B
         for i in range(80):

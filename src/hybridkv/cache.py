@@ -107,7 +107,9 @@ class PageCache(Protocol):
     def complete_load(self, load: Load) -> dict[int, list[np.ndarray]] | None: ...
     def release(self, load: Load) -> None: ...
     def touch(self, wanted: Mapping[int, Sequence[bytes]]) -> None: ...
-    def prepare_store(self, keys: Mapping[int, Sequence[bytes]], cold: bool = False) -> dict[int, StorePlan] | None: ...
+    def prepare_store(self, keys: Mapping[int, Sequence[bytes]], cold: bool = False,
+                      spare: bool = False) -> dict[int, StorePlan] | None: ...
+    def free_slots(self, group: int) -> int: ...
     def write(self, group: int, slot: int, page) -> None: ...
     def complete_store(self, plans: Mapping[int, StorePlan], ok: bool = True) -> None: ...
     def poll(self) -> int: ...
@@ -119,10 +121,11 @@ class PageCache(Protocol):
     def close(self) -> None: ...
 
 
-def store_pages(cache: PageCache, pages: Mapping[int, Sequence[tuple[bytes, np.ndarray]]], cold: bool = False) -> bool:
+def store_pages(cache: PageCache, pages: Mapping[int, Sequence[tuple[bytes, np.ndarray]]], cold: bool = False,
+                spare: bool = False) -> bool:
     """Store pages the caller holds, in every group or none: reserve, copy, publish.
     False: RAM has no room now (nothing changed; retry later)."""
-    plans = cache.prepare_store({gid: [key for key, _ in items] for gid, items in pages.items()}, cold)
+    plans = cache.prepare_store({gid: [key for key, _ in items] for gid, items in pages.items()}, cold, spare)
     if plans is None:
         return False
     for gid, plan in plans.items():
@@ -398,21 +401,27 @@ class TieredCache:
         return None if plans is None else self.promotions.start(plans, sources)
 
     # -- stores -----------------------------------------------------------------------------
-    def prepare_store(self, keys: Mapping[int, Sequence[bytes]], cold: bool = False) -> dict[int, StorePlan] | None:
+    def prepare_store(self, keys: Mapping[int, Sequence[bytes]], cold: bool = False,
+                      spare: bool = False) -> dict[int, StorePlan] | None:
         """Claim RAM slots for the absent keys, atomically across groups (None: no room now,
         nothing changed; retry later). Keys already present or in flight are skipped. The
         caller fills the slots (``write``, or a worker process through the shared region)
         and ends every reservation with ``complete_store``. ``cold``: the pages are evicted
         before older ones unless a hit uses them (a request the insertion policy expects no
-        reuse of)."""
+        reuse of). ``spare``: pages nobody asked to keep, taken only into free slots (cold,
+        evicting nothing) and kept in RAM only, not written through."""
         keys = {gid: list(ks) for gid, ks in keys.items() if ks}
         if not keys:
             return {}
-        plans = self.pools.prepare_store(keys, cold)
-        if plans is None and self._writes:
+        plans = self.pools.prepare_store(keys, cold, spare)
+        if plans is None and self._writes and not spare:
             for tier in self.secondaries:   # RAM is short: held write-through keeps slots pinned
                 tier.flush()
         return plans
+
+    def free_slots(self, group: int) -> int:
+        """RAM slots of ``group`` that hold nothing: a spare store fits without evicting."""
+        return self.pools.free_slots(group)
 
     def write(self, group: int, slot: int, page) -> None:
         """Copy one page into a slot ``prepare_store`` reserved."""
@@ -429,6 +438,7 @@ class TieredCache:
         for gid, keys in done.items():
             ram.bytes_in += len(keys) * self.regions[gid].page_bytes
         self.pools.complete_store(done)
+        done = {gid: keys for gid, keys in done.items() if not plans[gid].spare}
         if not self.secondaries or not done:
             return
         jobs, items = [], []

@@ -62,6 +62,18 @@ def parse_state_align(value) -> int | None:
     return int(text)
 
 
+def parse_bool(value, name: str) -> bool:
+    """A switch from a file (true/false) or text (true/false, yes/no, on/off, 1/0)."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "yes", "on", "1"):
+        return True
+    if text in ("false", "no", "off", "0"):
+        return False
+    raise HybridKVError(f"{name}: {value!r} is not a switch; use true or false")
+
+
 def setting(default, help: str):
     """A config field; ``help`` is its documentation and the text of its CLI flag."""
     return field(default=default, metadata={"help": help})
@@ -77,6 +89,7 @@ class CacheConfig:
     eviction: str = setting("lru", f"RAM eviction policy: {' or '.join(POLICIES)} (default lru)")
     insertion: str = setting("adaptive", "where new pages enter RAM's eviction order: adaptive (default: learned from the traffic), warm (always recent, plain LRU) or cold (a request that found under half its prompt cached stores at the evicted-first end)")
     retention: int | str | None = setting(AUTO, "recurrent states kept besides each prompt's own and the junctions: auto (default: one every ~16K tokens), 0 (none), every N tokens, or dense (one at every block)")
+    spare_states: bool = setting(True, "also keep states the retention does not ask for while RAM has free state slots: cold, RAM only, never evicting a page (default true)")
     tail_states: int = setting(1, "states also kept this many blocks before each prompt's end, for follow-ups that change its last block (default 1)")
     state_align: int | None = setting(None, "where each prompt's own state is kept: auto (default, learned from where prompts diverge), 0 (its replay boundary) or N (the deepest multiple of N tokens)")
     reference_tokens: int | None = setting(None, "typical request length the pools are sized for (default: the model's maximum)")
@@ -153,6 +166,7 @@ class CacheConfig:
 
 _FIELDS = {f.name: f for f in dataclasses.fields(CacheConfig)}
 _SIZE_FIELDS = ("ram_bytes", "fs_bytes")
+_BOOL_FIELDS = ("spare_states",)
 _INT_FIELDS = ("block_tokens", "tail_states", "reference_tokens", "engine_block_tokens", "remote_ttl_s")
 
 
@@ -173,6 +187,8 @@ def _coerce(name: str, value):
             return int(str(value))
         except ValueError:
             raise HybridKVError(f"{name}: expected an integer, got {value!r}") from None
+    if name in _BOOL_FIELDS:
+        return parse_bool(value, name)
     if name == "remote_timeout_s":
         try:
             return float(value)

@@ -171,6 +171,7 @@ class Connector:
         config = cache.config
         self.retention = retention or Retention(self.B, config.retention_tokens(self.B), config.tail_states)
         self._tail = self.retention.tail
+        self.spare_states = config.spare_states
         # state_align: auto learns where prompts diverge (see DivergenceAlignment), unless the
         # caller chose the retention itself
         self.alignment = (DivergenceAlignment(self.B) if config.state_align is None and retention is None
@@ -183,7 +184,7 @@ class Connector:
         self.state_groups = [g.id for g in self.groups if g.kind is GroupKind.STATE]
         self.stats = {"requests": 0, "hit_tokens": 0, "prompt_tokens": 0, "offers_retried": 0,
                       "offers_dropped": 0, "pages_stored": 0, "offers_pending": 0,
-                      "state_align_tokens": self.B, "replans": 0, "cold_requests": 0,
+                      "state_align_tokens": self.B, "replans": 0, "cold_requests": 0, "spare_states": 0,
                       "reference_tokens": cache.plan.reference_tokens}
         # reference_tokens unset: learn the prompt length the split between KV and states needs
         self.reference = (ReferenceLearner(self.B) if config.reference_tokens is None and self.state_groups
@@ -434,10 +435,24 @@ class Connector:
 
     # -- stores -----------------------------------------------------------------------------
     def wants_state(self, req: RequestState, boundary: int) -> bool:
-        """Must the engine snapshot the recurrent state at this boundary?"""
+        """Must the engine snapshot the recurrent state at this boundary? Yes where the
+        retention keeps it, and for any other servable boundary while RAM has a free slot in
+        every state group (a spare state, see ``is_spare``)."""
         if not self.state_groups or self._over_cap(req, boundary):
             return False
-        return req.retention.keeps(boundary, req.n_tokens, req.hit.junction)
+        if req.retention.keeps(boundary, req.n_tokens, req.hit.junction):
+            return True
+        return self.spare_states and self._spare_room() and req.retention.servable(boundary, req.n_tokens)
+
+    def is_spare(self, req: RequestState, kind: PageKind, position: int) -> bool:
+        """A state the retention does not keep: stored only into free RAM slots, cold and RAM
+        only (``prepare_store(spare=True)``). Until RAM fills, such states serve what a denser
+        retention would (a second request branching where no kept state is); they never
+        displace a page, so where RAM is full they cost nothing."""
+        return kind is PageKind.STATE and not req.retention.keeps(position, req.n_tokens, req.hit.junction)
+
+    def _spare_room(self) -> bool:
+        return all(self.cache.free_slots(gid) > 0 for gid in self.state_groups)
 
     def wants_block(self, req: RequestState, block: int) -> bool:
         """Should the engine hand over the attention pages of this full prompt block?"""
@@ -463,13 +478,19 @@ class Connector:
         self._try_store(req, offer)
 
     def _try_store(self, req: RequestState, offer: Offer) -> bool:
+        """Store a pending offer; a spare one that finds no free slot is dropped, not retried."""
         pages = req.pending[offer]
-        if not store_pages(self.cache, pages, req.ticket.cold):
+        spare = self.is_spare(req, offer.kind, offer.position)
+        if not store_pages(self.cache, pages, req.ticket.cold, spare):
+            if spare:
+                del req.pending[offer]
+                self.stats["offers_pending"] -= 1
             return False
         del req.pending[offer]
         self.stats["offers_pending"] -= 1
         req.stored[offer.kind.value] += sum(len(v) for v in pages.values())
         self.stats["pages_stored"] += sum(len(v) for v in pages.values())
+        self.stats["spare_states"] += spare
         return True
 
     def step(self, req: RequestState) -> None:

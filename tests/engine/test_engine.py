@@ -91,7 +91,7 @@ def test_hit_at_replay_boundary_when_prompt_is_block_aligned(tmp_path):
 def test_missing_state_at_deepest_boundary_drops_to_previous_state(tmp_path, monkeypatch):
     monkeypatch.setattr(filesystem.writes, "PACK_MAX_PAGE", 0)    # a file per page, to remove one
     ids = prompt(5 * B + 3)
-    cfg = CacheConfig(block_tokens=B, store=str(tmp_path), retention=2 * B)
+    cfg = CacheConfig(block_tokens=B, store=str(tmp_path), retention=2 * B, spare_states=False)
     with Engine("tiny-hybrid", cfg) as engine:
         cold = engine.generate(ids, 4)
         layout = engine.layout
@@ -111,7 +111,7 @@ def test_a_corrupt_page_read_while_restoring_shortens_the_hit_and_the_output_sta
     the longer one must not leak into it."""
     monkeypatch.setattr(filesystem.writes, "PACK_MAX_PAGE", 0)    # a file per page: one goes bad alone
     ids = prompt(5 * B + 3, seed=5)
-    cfg = CacheConfig(block_tokens=B, store=str(tmp_path), retention=2 * B)
+    cfg = CacheConfig(block_tokens=B, store=str(tmp_path), retention=2 * B, spare_states=False)
     with Engine("tiny-hybrid", cfg) as engine:
         cold = engine.generate(ids, 4)
         layout = engine.layout
@@ -132,7 +132,7 @@ def _siblings(system_blocks=4, seed=7):
 @pytest.mark.parametrize("discover_from", ["ram", "fs"])
 def test_junction_is_stored_and_served_to_a_third_request(tmp_path, discover_from):
     a, b, c = _siblings()
-    cfg = CacheConfig(block_tokens=B, store=str(tmp_path), tail_states=0)   # the junction alone
+    cfg = CacheConfig(block_tokens=B, store=str(tmp_path), tail_states=0, spare_states=False)   # the junction alone
     engine = Engine("tiny-hybrid", cfg)
     engine.generate(a, 2)
     if discover_from == "fs":
@@ -147,6 +147,18 @@ def test_junction_is_stored_and_served_to_a_third_request(tmp_path, discover_fro
     engine.close()
     assert third.hit_tokens == 4 * B and third.junction is None
     assert same_logits(cold, third)
+
+
+def test_a_spare_state_restores_a_sibling_exactly(tmp_path):
+    """While RAM has free state slots the first prompt leaves states at every block: a sibling
+    that branches after the shared system prompt restores it at once, with the cold logits."""
+    a, b, _ = _siblings()
+    with Engine("tiny-hybrid", CacheConfig(block_tokens=B, tail_states=0)) as engine:
+        engine.generate(a, 2)
+        second = engine.generate(b, 2)
+    cold = Engine("tiny-hybrid", CacheConfig(block_tokens=B), use_cache=False).generate(b, 2)
+    assert second.hit_tokens == 4 * B and second.junction is None
+    assert second.output_token_ids == cold.output_token_ids and same_logits(cold, second)
 
 
 def test_lru_pressure_recent_from_ram_old_from_disk(tmp_path):
@@ -175,7 +187,7 @@ def test_salt_isolates_tenants():
 
 def test_max_stored_tokens_caps_what_a_request_stores():
     ids = prompt(6 * B + 1)
-    with Engine("tiny-hybrid", CacheConfig(block_tokens=B)) as engine:
+    with Engine("tiny-hybrid", CacheConfig(block_tokens=B, spare_states=False)) as engine:
         first = engine.generate(ids, 2, max_stored_tokens=2 * B)
         assert first.stored_pages == {"attention": 2, "state": 0}
 
@@ -374,7 +386,7 @@ def test_stats_as_json_and_prometheus(tmp_path):
     from hybridkv.tools.metrics import to_prometheus
 
     ids = prompt(3 * B + 1, seed=8)
-    with Engine("tiny-hybrid", CacheConfig(block_tokens=B, store=str(tmp_path))) as engine:
+    with Engine("tiny-hybrid", CacheConfig(block_tokens=B, store=str(tmp_path), spare_states=False)) as engine:
         engine.generate(ids, 2)
         engine.generate(ids, 2)
         engine.cache.drain()

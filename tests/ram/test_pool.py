@@ -153,6 +153,23 @@ def test_grouped_cold_store_marks_every_group():
     assert plans[0].evicted == ["b"] and plans[1].evicted == ["b"]
 
 
+def test_a_spare_store_takes_free_slots_only_and_enters_cold():
+    mgr = GroupedPools({0: 3, 1: 2})
+    plans = mgr.prepare_store({0: ["a"], 1: ["a"]})
+    mgr.complete_store({gid: plan.keys for gid, plan in plans.items()})
+    spare = mgr.prepare_store({0: ["s"], 1: ["s"]}, spare=True)
+    assert spare[0].spare and spare[1].spare and not plans[0].spare
+    mgr.complete_store({gid: plan.keys for gid, plan in spare.items()})
+    assert mgr.free_slots(0) == 1 and mgr.free_slots(1) == 0
+    # group 1 is full: another spare is refused whole, nothing evicted in either group
+    assert mgr.prepare_store({0: ["t"], 1: ["t"]}, spare=True) is None
+    assert "a" in mgr.pool(1) and "s" in mgr.pool(1) and "t" not in mgr.pool(0)
+    assert mgr.pool(1).store_refusals == 0
+    # a kept page may evict, and the spare (cold) goes first though it is younger
+    plans = mgr.prepare_store({0: ["k"], 1: ["k"]})
+    assert plans[1].evicted == ["s"]
+
+
 def arc_state(pool):
     """Where a pool keeps ARC's target: its policy object (Python) or itself (compiled)."""
     return pool.policy if isinstance(pool, SlotPool) else pool

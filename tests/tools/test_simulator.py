@@ -63,6 +63,15 @@ def test_semantic_retention_hits_through_the_junction_from_the_third_request():
     assert result.prefill_tokens_saved == _system_prompt_expectation(dense=False)
 
 
+def test_spare_states_hit_from_the_second_request_while_ram_has_room():
+    """Semantic retention plus spare states, where RAM never fills: every block's state is
+    stored into free slots, so a system prompt's second request hits as with dense states."""
+    pol = Policy("spare", retention=0, spare=True)
+    result = replay(LAYOUT, workload_prompts("shared_system_prompt"), HUGE, pol, "s", 8192)
+    assert result.prefill_tokens_saved == _system_prompt_expectation(dense=True)
+    assert result.wrong_hits == 0
+
+
 @pytest.mark.parametrize("workload", sorted(WORKLOADS))
 def test_accounting_and_budget_monotonicity(workload):
     rates = []
@@ -234,6 +243,8 @@ def test_simulate_cli_replays_the_default_unless_told_otherwise(tmp_path):
     assert json.loads(custom.stdout)[0]["policy"] == "custom"
     warm = cli(*args, "--insertion", "warm")
     assert warm.returncode == 0 and json.loads(warm.stdout)[0]["policy"] == "custom"
+    no_spares = cli(*args, "--no-spare-states")
+    assert no_spares.returncode == 0 and json.loads(no_spares.stdout)[0]["policy"] == "custom"
 
 
 def test_simulate_cli_misuse(tmp_path):
@@ -259,7 +270,7 @@ def test_a_policys_settings_make_a_cache_keep_what_the_policy_kept(name):
         conn = Connector(cache)
         assert conn.retention == pol.keeper(B)
         assert (conn.alignment is not None) == (pol.align is None and pol.retention is not None)
-        assert conn.insertion.mode == pol.insertion
+        assert conn.insertion.mode == pol.insertion and conn.spare_states == pol.spare
 
 
 def test_policies_no_setting_reproduces_say_so():

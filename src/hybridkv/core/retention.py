@@ -68,12 +68,18 @@ class Retention:
     def _aligned(self, replay: int) -> int:
         return replay // self.align * self.align if self.align else replay
 
+    def servable(self, boundary: int, n_tokens: int) -> bool:
+        """Could a state at ``boundary`` serve a hit at all: on the block grid and not past the
+        prompt's replay boundary (the most a hit restores)?"""
+        B = self.block_tokens
+        return 0 < boundary <= replay_boundary(n_tokens, B) and not boundary % B
+
     def keeps(self, boundary: int, n_tokens: int, junction: int | None = None) -> bool:
         """O(1): is a state kept at ``boundary`` for a prompt of ``n_tokens``?"""
+        if not self.servable(boundary, n_tokens):
+            return False
         B = self.block_tokens
         replay = replay_boundary(n_tokens, B)
-        if boundary <= 0 or boundary % B or boundary > replay:
-            return False
         end = self._aligned(replay)
         if self.interval is None or boundary == junction or 0 <= end - boundary <= self.tail * B:
             return True

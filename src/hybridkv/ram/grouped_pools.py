@@ -45,6 +45,9 @@ class GroupedPools:
     def pool(self, group_id: int) -> SlotPool:
         return self.pools[group_id]
 
+    def free_slots(self, group_id: int) -> int:
+        return self.pools[group_id].free_count()
+
     def lookup(self, group_id: int, key) -> Lookup:
         return self.pools[group_id].lookup(key)
 
@@ -85,18 +88,22 @@ class GroupedPools:
                         del pins[key]
 
     # -- stores ----------------------------------------------------------------------------
-    def prepare_store(self, keys: GroupKeys, cold: bool = False) -> dict[int, StorePlan] | None:
+    def prepare_store(self, keys: GroupKeys, cold: bool = False, spare: bool = False) -> dict[int, StorePlan] | None:
         """All groups place their keys, or none does (None = retry later, nothing changed).
-        ``cold``: the new keys enter the eviction order where it evicts first (``mark_cold``)."""
+        ``cold``: the new keys enter the eviction order where it evicts first (``mark_cold``);
+        ``spare``: cold, and only into free slots: such a store never evicts a page."""
         news = {gid: self.pools[gid].new_keys(ks) for gid, ks in keys.items()}
+        if spare and any(len(news[gid]) > self.pools[gid].free_count() for gid in keys):
+            return None
         for gid, ks in keys.items():
             if not self.pools[gid].can_place(ks, news[gid]):
                 self.pools[gid].store_refusals += 1
                 return None
         plans = {gid: self.pools[gid].prepare_store(ks, news[gid]) for gid, ks in keys.items()}
         assert all(plan is not None for plan in plans.values()), "can_place promised room"
-        if cold:
+        if cold or spare:
             for gid, plan in plans.items():
+                plan.spare = spare
                 if plan.keys:
                     self.pools[gid].mark_cold(plan.keys)
         return plans

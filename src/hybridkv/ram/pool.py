@@ -28,11 +28,14 @@ MISS, HIT, HIT_PENDING = Lookup.MISS, Lookup.HIT, Lookup.HIT_PENDING
 
 @dataclass(slots=True)
 class StorePlan:
-    """What ``prepare_store`` reserved: keys to write now, their slots, and keys evicted."""
+    """What ``prepare_store`` reserved: keys to write now, their slots, and keys evicted;
+    ``spare``: pages nobody asked to keep, placed in free slots only (RAM-only, never written
+    through)."""
 
     keys: list
     slots: list[int]
     evicted: list = field(default_factory=list)
+    spare: bool = False
 
 
 class PoolEntry:

@@ -61,7 +61,8 @@ class Policy:
     makes state pages cost nothing (the attention-only ceiling); ``align``: where each
     prompt's own state sits (0: its replay boundary, None: learned from the traffic);
     ``insertion``: where new pages enter the eviction order (warm: plain LRU, cold, or
-    adaptive: learned from the traffic)."""
+    adaptive: learned from the traffic); ``spare``: also store the states it does not keep
+    while RAM has free state slots (cold, evicting nothing)."""
 
     name: str
     retention: int | str | None = 0
@@ -72,6 +73,7 @@ class Policy:
     tail: int = 0
     align: int | None = 0
     insertion: str = "warm"
+    spare: bool = False
 
     def interval(self, block_tokens: int) -> int | None:
         return resolve_interval(self.retention, block_tokens)
@@ -101,7 +103,7 @@ def policy(name: str) -> Policy:
     if name == "semantic-aligned":    # semantic-tail until it learns where prompts diverge
         return Policy(name, tail=1, align=None)
     if name == "aligned-periodic":    # hybridkv's default
-        return Policy(name, retention=AUTO, tail=1, align=None, insertion="adaptive")
+        return Policy(name, retention=AUTO, tail=1, align=None, insertion="adaptive", spare=True)
     if name == "marconi":     # branch-point states (junctions) and FLOP-aware eviction
         return Policy(name, eviction="flop", alpha=1.0)
     for prefix, base in (("periodic-", "semantic"), ("aligned-periodic-", "semantic-aligned")):
@@ -118,7 +120,7 @@ def settings(pol: Policy) -> dict | None:
         return None
     return {"retention": "dense" if pol.retention is None else pol.retention, "tail_states": pol.tail,
             "state_align": "auto" if pol.align is None else pol.align, "eviction": pol.eviction,
-            "insertion": pol.insertion}
+            "insertion": pol.insertion, "spare_states": pol.spare}
 
 
 def attention_only(layout: Layout) -> Layout:
@@ -204,7 +206,8 @@ def replay(layout: Layout, requests: Sequence[np.ndarray] | Iterable[np.ndarray]
     B = layout.block_tokens
     config = CacheConfig(block_tokens=B, ram_bytes=budget_bytes, eviction="lru" if pol.eviction == "flop"
                          else pol.eviction, retention=pol.retention, tail_states=pol.tail, state_align=pol.align,
-                         reference_tokens=reference_tokens, insertion=pol.insertion)
+                         reference_tokens=reference_tokens, insertion=pol.insertion,
+                         spare_states=pol.spare)
     flop_aware = pol.eviction == "flop"
     block_cost, state_cost = {}, {}      # key -> recompute FLOPs its page saves, per byte
     cache = TieredCache(layout, config, secondaries=[], pageless=True,

@@ -413,15 +413,18 @@ class SchedulerSide:
             if (set(self.connector.state_groups) <= blocks.keys() and all(blocks.values())
                     and self.connector.wants_state(ctx.state, boundary)):
                 block_ids = {gid: {boundary // self.B - 1: block} for gid, block in blocks.items()}
+                spare = self.connector.is_spare(ctx.state, PageKind.STATE, boundary)
                 if not self._reserve(ctx, PageKind.STATE, self.connector.state_groups, [boundary // self.B - 1],
-                                     block_ids, plan):
+                                     block_ids, plan, spare) and not spare:
                     self.stats.stores_refused += 1
 
     def _reserve(self, ctx: _Request, kind: PageKind, groups: list[int], blocks: list[int], block_ids,
-                 plan: StepPlan) -> bool:
-        """One reservation for these blocks' pages in ``groups``; False where RAM refused it."""
+                 plan: StepPlan, spare: bool = False) -> bool:
+        """One reservation for these blocks' pages in ``groups``; False where RAM refused it.
+        ``spare``: only into free slots (``Connector.is_spare``)."""
         keys = ctx.state.keys
-        plans = self.cache.prepare_store({gid: [keys[j] for j in blocks] for gid in groups}, ctx.state.ticket.cold)
+        plans = self.cache.prepare_store({gid: [keys[j] for j in blocks] for gid in groups}, ctx.state.ticket.cold,
+                                         spare)
         if plans is None:
             return False
         block_of = {keys[j]: j for j in blocks}
@@ -462,6 +465,7 @@ class SchedulerSide:
             return
         pages = sum(len(p.keys) for p in res.plans.values())
         self.connector.stats["pages_stored"] += pages
+        self.connector.stats["spare_states"] += any(p.spare for p in res.plans.values())
         owner = self._requests.get(res.request)
         if owner is not None:
             owner.state.stored[res.kind.value] += pages
