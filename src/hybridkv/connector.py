@@ -515,7 +515,7 @@ class Connector:
         self.cache.request_finished(req.request_id)
         if done and req.retention is not None:
             self.insertion.finished(req.keys, req.n_tokens, req.ticket, req.retention, req.hit.junction,
-                                    req.max_stored_tokens)
+                                    req.max_stored_tokens, self.spare_states)
             self.stats["insertion_cold"] = int(self.insertion.prefers_cold)
         if self.reference is not None:
             self._learn_reference(req)

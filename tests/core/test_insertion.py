@@ -62,6 +62,30 @@ def test_a_shadow_holds_no_more_than_its_slots_and_cold_keys_leave_first():
     assert all(k in shadow.blocks for k in session(0, 3))
 
 
+def test_spare_states_enter_a_shadow_only_into_free_room_and_cold():
+    """As the cache stores them: a shadow replays spare states where it has room for them, at
+    the evicted-first end, and never evicts a kept state for one."""
+    shadow = ShadowCache(block_slots=20, state_slots=3)
+    first = session(0, 4)
+    shadow.record(first, 0, [4], cold=False, spare_ends=[1, 2, 3])
+    assert list(shadow.states) == [first[1], first[0], first[3]]   # two spares fit, cold
+    assert shadow.hit_blocks(first[:2] + session(9, 2), 4) == 2    # a branch after block 2 hits
+    second = session(1, 2)
+    shadow.record(second, 0, [2], cold=False, spare_ends=[1])      # full: the kept state evicts a spare
+    assert second[1] in shadow.states and second[0] not in shadow.states and first[3] in shadow.states
+
+
+def test_the_connector_teaches_the_shadows_the_spare_states_it_stores():
+    ins = Insertion("adaptive", B, block_slots=20, state_slots=8)
+    keys = session(0, 4)
+    n_tokens = len(keys) * B + 1
+    ins.finished(keys, n_tokens, ins.begin(keys, n_tokens, 0), Retention(B, 0, 0), None, spares=True)
+    assert all(keys[i] in ins.shadows[0].states for i in range(4))
+    plain = Insertion("adaptive", B, block_slots=20, state_slots=8)
+    plain.finished(keys, n_tokens, plain.begin(keys, n_tokens, 0), Retention(B, 0, 0), None)
+    assert list(plain.shadows[0].states) == [keys[3]]
+
+
 def test_a_cycle_longer_than_ram_turns_insertion_cold():
     """Six sessions revisited round-robin, RAM for four: LRU evicts each just before its reuse;
     storing cold keeps some whole, and the shadows see it."""

@@ -59,10 +59,12 @@ class ShadowCache:
                 best = i + 1
         return best
 
-    def record(self, keys: Sequence[bytes], hit: int, state_ends: Sequence[int], cold: bool) -> None:
+    def record(self, keys: Sequence[bytes], hit: int, state_ends: Sequence[int], cold: bool,
+               spare_ends: Sequence[int] = ()) -> None:
         """A request restored ``hit`` blocks and stored its other blocks and the states ending
         at ``state_ends`` (block counts); ``cold`` stores them at the cold end. What it hit is
-        made most recent, stored again if other requests evicted it since it began."""
+        made most recent, stored again if other requests evicted it since it began. States at
+        ``spare_ends`` are stored as the cache stores spare states: cold, into free room only."""
         blocks, states = self.blocks, self.states
         for key in keys[:hit]:
             self._put(blocks, self.block_slots, key, False)
@@ -76,6 +78,11 @@ class ShadowCache:
             for end in state_ends:
                 if end > hit:
                     self._put(states, self.state_slots, keys[end - 1], cold)
+            for end in spare_ends:
+                if len(states) >= self.state_slots:
+                    break
+                if end > hit:
+                    self._put(states, self.state_slots, keys[end - 1], True)
 
     @staticmethod
     def _put(order: OrderedDict, slots: int, key: bytes, cold: bool) -> None:
@@ -144,17 +151,23 @@ class Insertion:
         return Ticket(cold, warm_hit, cold_hit, warm(cold_hit * self.B), self._id)
 
     def finished(self, keys: Sequence[bytes], n_tokens: int, ticket: Ticket, retention: Retention,
-                 junction: int | None, stored_tokens: int | None = None) -> None:
+                 junction: int | None, stored_tokens: int | None = None, spares: bool = False) -> None:
         """The request ran to its end: each shadow stores what it would have (the blocks past its
-        hit, the states ``retention`` keeps, up to ``stored_tokens`` where the engine caps what
-        a request stores), and the score weighs what the two restored."""
+        hit, the states ``retention`` keeps and, with ``spares``, the others into free room, up
+        to ``stored_tokens`` where the engine caps what a request stores), and the score weighs
+        what the two restored."""
         if self.shadows is None or ticket.issuer != self._id:
             return
         B = self.B
         end = n_tokens if stored_tokens is None else min(n_tokens, stored_tokens)
         full = keys[:end // B]
         first = min(ticket.warm_hit, ticket.cold_hit) + 1
-        ends = [b // B for b in range(B * first, end + 1, B) if retention.keeps(b, n_tokens, junction)]
-        self.shadows[0].record(full, ticket.warm_hit, ends, False)
-        self.shadows[1].record(full, ticket.cold_hit, ends, not ticket.cold_shadow_warm)
+        ends, spare_ends = [], []
+        for b in range(B * first, end + 1, B):
+            if retention.keeps(b, n_tokens, junction):
+                ends.append(b // B)
+            elif spares and retention.servable(b, n_tokens):
+                spare_ends.append(b // B)
+        self.shadows[0].record(full, ticket.warm_hit, ends, False, spare_ends)
+        self.shadows[1].record(full, ticket.cold_hit, ends, not ticket.cold_shadow_warm, spare_ends)
         self.score = DECAY * self.score + (ticket.cold_hit - ticket.warm_hit) * B
