@@ -158,6 +158,21 @@ def test_states_are_stored_only_where_vllm_hands_them_off_from_the_block_it_name
     side.close()
 
 
+def test_a_state_handed_off_where_the_retention_keeps_none_is_a_spare_kept_in_ram_only(tmp_path):
+    side = scheduler(tmp_path)                       # with a disk store below RAM
+    side.match(request("w"), 0)
+    handoff = {"w": [(0, 41, B), (0, 43, 3 * B)]}    # the prompt's own state is at 3B (its tail at 2B)
+    plan = side.plan_step({}, lambda rid: BLOCK_IDS, handoff)
+    assert sorted(c.blocks for c in state_copies(plan)) == [[41], [43]]
+    side.on_report(report(0, stored=set(plan.stores)))
+    side.cache.drain()
+    keys = side.connector.begin("probe", PROMPT).keys
+    assert side.connector.stats["spare_states"] == 1
+    assert side.cache.lookup(0, [keys[0], keys[2]], below_ram=False) == ["ram", "ram"]
+    assert side.cache.secondaries[0].contains_many(0, [keys[0], keys[2]]) == [False, True]
+    side.close()
+
+
 def test_blocks_ram_cannot_take_at_once_are_reserved_one_by_one_from_the_first(tmp_path):
     config, kv = vllm_objects(block=B)
     config.kv_transfer_config = SimpleNamespace(kv_load_failure_policy="fail")
@@ -631,7 +646,8 @@ def test_the_prompts_own_state_is_asked_for_and_stored_on_the_configured_grid(tm
     own stop hands it off."""
     config, kv = vllm_objects(block=B)
     config.kv_transfer_config = SimpleNamespace(kv_load_failure_policy="fail")
-    side = SchedulerSide(config, kv, {"ram_dir": str(tmp_path), "ram_bytes": "8MiB", "state_align": 2 * B})
+    side = SchedulerSide(config, kv, {"ram_dir": str(tmp_path), "ram_bytes": "8MiB", "state_align": 2 * B,
+                                      "spare_states": False})   # the grid alone, no spare states
 
     def ask(rid, prompt, handoff):
         req = SimpleNamespace(request_id=rid, prompt_token_ids=prompt, cache_salt=None, lora_request=None,
