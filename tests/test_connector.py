@@ -124,9 +124,34 @@ def test_spare_states_fill_free_state_slots_and_never_evict(cache):
     assert first.stored["state"] == 3 and conn.stats["spare_states"] == 2
     states = cache.pools.pool(1)
     assert first.keys[4] in states and len(states) == 2
+    # the learned insertion's shadows hold what the pool holds
+    assert set(conn.insertion.shadows[0].states) == set(states.resident_keys())
     second = _serve(conn, "b", tokens(5 * B + 3, 5))
     assert conn.stats["spare_states"] == 2                    # no free slot: no spare offered
     assert second.keys[4] in states and first.keys[4] in states   # both kept states stay
+    third = conn.begin("c", tokens(5 * B + 3, 6))
+    conn.offer_state(third, B, {1: page(1, 7)})               # offered unasked, RAM full: dropped
+    assert not third.pending and conn.stats["offers_pending"] == 0 and conn.stats["offers_dropped"] == 0
+    assert third.keys[0] not in states
+    conn.finish(third)
+
+
+def test_a_spare_state_a_hit_uses_is_written_to_disk(tmp_path):
+    from hybridkv.tiers.filesystem import FilesystemTier
+
+    fs = FilesystemTier(tmp_path / "fs", LAYOUT)
+    document = tokens(4 * B, 0)
+    config = CacheConfig(block_tokens=B, ram_bytes=64 * 1024**2, ram_dir=str(tmp_path), tail_states=0,
+                         state_align=0)
+    with TieredCache(LAYOUT, config, secondaries=[fs]) as c:
+        conn = Connector(c)
+        first = _serve(conn, "a", document + tokens(B + 5, 1))
+        c.drain()
+        assert fs.contains_many(1, first.keys[:4]) == [False] * 4     # spares stay in RAM
+        branch = _serve(conn, "b", document + tokens(B + 5, 2))
+        assert branch.hit_tokens == 4 * B
+        c.drain()
+        assert fs.contains_many(1, first.keys[:4]) == [False, False, False, True]   # the one it used
 
 
 def test_a_spare_state_serves_a_branch_before_any_junction(tmp_path):

@@ -1,7 +1,9 @@
 """The cache an engine talks to: RAM pools over shared regions, then secondary tiers.
 
 RAM is primary. A stored page is copied into a RAM slot and written through to every
-secondary tier in the background (its slot stays pinned until then). A page only a secondary
+secondary tier in the background (its slot stays pinned until then); a spare page (a state
+nobody asked to keep, in a free slot) is written through only once a hit uses it or a store
+asks for it. A page only a secondary
 tier holds is promoted into RAM first and served from there (``promotion.py``).
 
 ``PageCache`` is the whole contract an engine-side caller uses (the connector, the vLLM
@@ -85,7 +87,8 @@ class PageCache(Protocol):
     ``arrivals`` yields pages as they land, ``complete_load`` waits and returns views (or
     None: a page did not arrive, look again), ``release`` unpins. A store: ``prepare_store``
     reserves slots in every group or none, the caller fills them (``write``, or a process
-    mapping ``regions``), ``complete_store`` publishes (or abandons) and writes through.
+    mapping ``regions``), ``complete_store`` publishes (or abandons) and writes through
+    (a spare page: once used, see ``TieredCache.touch``).
     Pins taken for a request between ``request_started`` and ``request_finished`` are
     released by the latter, whatever happened to the request."""
 
@@ -158,6 +161,7 @@ class TieredCache:
         self.secondaries: list[SecondaryTier] = []
         self.counters: dict[str, TierCounters] = {RAM: TierCounters()}
         self._writes: list[_WriteThrough] = []
+        self._spares: dict[int, set[bytes]] = {}          # spare pages not written through (yet)
         self.promotions = Promotions(self.pools, self.regions, self.counters, self.secondaries)
         self._pin_hook, self._pageless = pin_hook, pageless
         self._coming: _RegionsInMaking | None = None       # a re-plan's regions, being made
@@ -236,6 +240,7 @@ class TieredCache:
         self.regions.update(coming.regions)
         self.plan = coming.plan
         self.pools.resize(coming.plan.slots_per_group())
+        self._spares.clear()
         return True
 
     # -- requests ---------------------------------------------------------------------------
@@ -252,8 +257,26 @@ class TieredCache:
         return self.pools.request_finished(request)
 
     def touch(self, wanted: Mapping[int, Sequence[bytes]]) -> None:
-        """Refresh recency; callers touch a prefix after its tail so the prefix outlives it."""
+        """Refresh recency; callers touch a prefix after its tail so the prefix outlives it.
+        A spare page a hit used is now worth keeping: it is written through."""
         self.pools.touch(wanted)
+        if self._spares:
+            self._keep_spares(wanted)
+
+    def _keep_spares(self, keys: Mapping[int, Sequence[bytes]]) -> None:
+        """Spare pages among ``keys`` that are still in RAM become ordinary ones: written
+        through to the secondary tiers, as any stored page is."""
+        kept: dict[int, list[bytes]] = {}
+        for gid, ks in keys.items():
+            spares = self._spares.get(gid)
+            if spares:
+                for key in ks:
+                    if key in spares:
+                        spares.discard(key)
+                        if self.pools.pool(gid).lookup(key) is Lookup.HIT:
+                            kept.setdefault(gid, []).append(key)
+        if kept:
+            self._write_through(kept)
 
     # -- where is a page? -------------------------------------------------------------------
     def lookup(self, group: int, keys: Sequence[bytes], *, ram: bool = True,
@@ -413,6 +436,8 @@ class TieredCache:
         keys = {gid: list(ks) for gid, ks in keys.items() if ks}
         if not keys:
             return {}
+        if not spare and self._spares:     # a page stored as spare is now asked for
+            self._keep_spares(keys)
         plans = self.pools.prepare_store(keys, cold, spare)
         if plans is None and self._writes and not spare:
             for tier in self.secondaries:   # RAM is short: held write-through keeps slots pinned
@@ -429,7 +454,8 @@ class TieredCache:
 
     def complete_store(self, plans: Mapping[int, StorePlan], ok: bool = True) -> None:
         """The reserved slots are filled (ok: published, then written through to every
-        secondary tier in the background, pinned until written) or abandoned (freed)."""
+        secondary tier in the background, pinned until written; spare pages only once used)
+        or abandoned (freed)."""
         done = {gid: plan.keys for gid, plan in plans.items() if plan.keys}
         if not ok:
             self.pools.complete_store(done, False)
@@ -438,7 +464,15 @@ class TieredCache:
         for gid, keys in done.items():
             ram.bytes_in += len(keys) * self.regions[gid].page_bytes
         self.pools.complete_store(done)
-        done = {gid: keys for gid, keys in done.items() if not plans[gid].spare}
+        if self.secondaries:
+            for gid, keys in done.items():
+                if plans[gid].spare:
+                    self._spares.setdefault(gid, set()).update(keys)
+        self._write_through({gid: keys for gid, keys in done.items() if not plans[gid].spare})
+
+    def _write_through(self, done: Mapping[int, list[bytes]]) -> None:
+        """Write these RAM pages to every secondary tier in the background, each pinned until
+        its writes finish."""
         if not self.secondaries or not done:
             return
         jobs, items = [], []
@@ -487,6 +521,7 @@ class TieredCache:
         """Free every RAM page no request is using or writing; returns how many."""
         used = sum(s["used"] for s in self.pools.stats().values())
         self.pools.reset()
+        self._spares.clear()
         return used - sum(s["used"] for s in self.pools.stats().values())
 
     def wait_written(self, timeout: float) -> bool:

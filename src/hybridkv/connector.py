@@ -62,6 +62,7 @@ class RequestState:
     stored: dict[str, int] = field(default_factory=lambda: {k.value: 0 for k in PageKind})
     pending: dict[Offer, dict] = field(default_factory=dict)
     max_stored_tokens: int | None = None
+    spare_boundaries: list[int] = field(default_factory=list)   # asked about as spare: what the shadows replay
     local_blocks: int = 0      # leading blocks the engine already holds itself
     loaded: Load | None = None     # the hit's pages, pinned (or some still promoting)
     where: dict[int, list[str | None]] = field(default_factory=dict)   # tier per (group, block)
@@ -442,14 +443,18 @@ class Connector:
             return False
         if req.retention.keeps(boundary, req.n_tokens, req.hit.junction):
             return True
-        return self.spare_states and self._spare_room() and req.retention.servable(boundary, req.n_tokens)
+        if not self.spare_states or not req.retention.servable(boundary, req.n_tokens):
+            return False
+        req.spare_boundaries.append(boundary)     # the engine has a state here, room or not
+        return self._spare_room()
 
     def is_spare(self, req: RequestState, kind: PageKind, position: int) -> bool:
         """A state the retention does not keep: stored only into free RAM slots, cold and RAM
         only (``prepare_store(spare=True)``). Until RAM fills, such states serve what a denser
         retention would (a second request branching where no kept state is); they never
         displace a page, so where RAM is full they cost nothing."""
-        return kind is PageKind.STATE and not req.retention.keeps(position, req.n_tokens, req.hit.junction)
+        return (self.spare_states and kind is PageKind.STATE
+                and not req.retention.keeps(position, req.n_tokens, req.hit.junction))
 
     def _spare_room(self) -> bool:
         return all(self.cache.free_slots(gid) > 0 for gid in self.state_groups)
@@ -515,7 +520,7 @@ class Connector:
         self.cache.request_finished(req.request_id)
         if done and req.retention is not None:
             self.insertion.finished(req.keys, req.n_tokens, req.ticket, req.retention, req.hit.junction,
-                                    req.max_stored_tokens, self.spare_states)
+                                    req.max_stored_tokens, req.spare_boundaries)
             self.stats["insertion_cold"] = int(self.insertion.prefers_cold)
         if self.reference is not None:
             self._learn_reference(req)

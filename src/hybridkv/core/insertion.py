@@ -151,23 +151,20 @@ class Insertion:
         return Ticket(cold, warm_hit, cold_hit, warm(cold_hit * self.B), self._id)
 
     def finished(self, keys: Sequence[bytes], n_tokens: int, ticket: Ticket, retention: Retention,
-                 junction: int | None, stored_tokens: int | None = None, spares: bool = False) -> None:
+                 junction: int | None, stored_tokens: int | None = None,
+                 spare_boundaries: Sequence[int] = ()) -> None:
         """The request ran to its end: each shadow stores what it would have (the blocks past its
-        hit, the states ``retention`` keeps and, with ``spares``, the others into free room, up
-        to ``stored_tokens`` where the engine caps what a request stores), and the score weighs
-        what the two restored."""
+        hit, the states ``retention`` keeps and, into free room, the spare states the engine had
+        at ``spare_boundaries``, up to ``stored_tokens`` where the engine caps what a request
+        stores), and the score weighs what the two restored."""
         if self.shadows is None or ticket.issuer != self._id:
             return
         B = self.B
         end = n_tokens if stored_tokens is None else min(n_tokens, stored_tokens)
         full = keys[:end // B]
         first = min(ticket.warm_hit, ticket.cold_hit) + 1
-        ends, spare_ends = [], []
-        for b in range(B * first, end + 1, B):
-            if retention.keeps(b, n_tokens, junction):
-                ends.append(b // B)
-            elif spares and retention.servable(b, n_tokens):
-                spare_ends.append(b // B)
+        ends = [b // B for b in range(B * first, end + 1, B) if retention.keeps(b, n_tokens, junction)]
+        spare_ends = sorted({b // B for b in spare_boundaries if B * first <= b <= end})
         self.shadows[0].record(full, ticket.warm_hit, ends, False, spare_ends)
         self.shadows[1].record(full, ticket.cold_hit, ends, not ticket.cold_shadow_warm, spare_ends)
         self.score = DECAY * self.score + (ticket.cold_hit - ticket.warm_hit) * B
