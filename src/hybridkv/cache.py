@@ -432,7 +432,8 @@ class TieredCache:
         and ends every reservation with ``complete_store``. ``cold``: the pages are evicted
         before older ones unless a hit uses them (a request the insertion policy expects no
         reuse of). ``spare``: pages nobody asked to keep, taken only into free slots (cold,
-        evicting nothing) and kept in RAM only, not written through."""
+        evicting nothing) and kept in RAM only until a hit uses them or a store asks for them
+        (then written through)."""
         keys = {gid: list(ks) for gid, ks in keys.items() if ks}
         if not keys:
             return {}

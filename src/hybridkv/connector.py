@@ -449,8 +449,8 @@ class Connector:
         return self._spare_room()
 
     def is_spare(self, req: RequestState, kind: PageKind, position: int) -> bool:
-        """A state the retention does not keep: stored only into free RAM slots, cold and RAM
-        only (``prepare_store(spare=True)``). Until RAM fills, such states serve what a denser
+        """A state the retention does not keep: stored only into free RAM slots, cold, and in
+        RAM only until a hit uses it (``prepare_store(spare=True)``). Until RAM fills, such states serve what a denser
         retention would (a second request branching where no kept state is); they never
         displace a page, so where RAM is full they cost nothing."""
         return (self.spare_states and kind is PageKind.STATE
@@ -486,13 +486,13 @@ class Connector:
         """Store a pending offer; a spare one that finds no free slot is dropped, not retried."""
         pages = req.pending[offer]
         spare = self.is_spare(req, offer.kind, offer.position)
-        if not store_pages(self.cache, pages, req.ticket.cold, spare):
-            if spare:
-                del req.pending[offer]
-                self.stats["offers_pending"] -= 1
+        stored = store_pages(self.cache, pages, req.ticket.cold, spare)
+        if not stored and not spare:
             return False
         del req.pending[offer]
         self.stats["offers_pending"] -= 1
+        if not stored:
+            return False
         req.stored[offer.kind.value] += sum(len(v) for v in pages.values())
         self.stats["pages_stored"] += sum(len(v) for v in pages.values())
         self.stats["spare_states"] += spare

@@ -29,8 +29,8 @@ MISS, HIT, HIT_PENDING = Lookup.MISS, Lookup.HIT, Lookup.HIT_PENDING
 @dataclass(slots=True)
 class StorePlan:
     """What ``prepare_store`` reserved: keys to write now, their slots, and keys evicted;
-    ``spare``: pages nobody asked to keep, placed in free slots only (RAM-only, never written
-    through)."""
+    ``spare``: pages nobody asked to keep, placed in free slots only (not written through
+    until used)."""
 
     keys: list
     slots: list[int]
