@@ -146,17 +146,20 @@ class TieredCache:
     on every RAM region at creation (the engine passes CUDA host registration on a GPU box);
     ``pageless`` keeps the slots and their accounting without the bytes (the simulator);
     ``eviction`` builds each pool's policy instead of the config's named one (the simulator's
-    policy comparison).
+    policy comparison); ``pools`` builds the pools from the plan's slots instead (the
+    simulator's shared-budget bound).
     """
 
     def __init__(self, layout: Layout, config: CacheConfig, plan: Plan | None = None,
                  secondaries: Sequence[SecondaryTier] | None = None,
                  pin_hook: PinHook | None = None, pageless: bool = False,
-                 eviction: Callable[[int, int], EvictionPolicy] | None = None):
+                 eviction: Callable[[int, int], EvictionPolicy] | None = None,
+                 pools: Callable[[dict[int, int]], GroupedPools] | None = None):
         self.layout, self.config = layout, config
         reference = config.reference_tokens or default_reference_tokens(layout)
         self.plan = plan or self._plan(reference)
-        self.pools = GroupedPools(self.plan.slots_per_group(), eviction or config.eviction)
+        slots = self.plan.slots_per_group()
+        self.pools = pools(slots) if pools else GroupedPools(slots, eviction or config.eviction)
         self.regions: dict[int, SharedRegion | PagelessRegion] = {}
         self.secondaries: list[SecondaryTier] = []
         self.counters: dict[str, TierCounters] = {RAM: TierCounters()}

@@ -137,6 +137,23 @@ def test_a_cold_page_released_after_a_pin_goes_back_to_the_cold_end(new_pool):
     assert pool.prepare_store(["n"]).evicted == ["cold"]
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_cold_page_a_hit_used_stays_ordinary_after_a_later_pin(new_pool, policy):
+    """A spare state a hit used is then written through (pinned, released): it must not fall
+    back to the evicted-first end, or the state that served is the first to go."""
+    pool = new_pool(0, 3, policy)
+    plan = pool.prepare_store(["used"])
+    pool.mark_cold(plan.keys)
+    pool.complete_store(plan.keys)
+    pool.prepare_load(["used"])                 # the hit
+    pool.complete_load(["used"])
+    pool.touch(["used"])
+    stored(pool, ["a", "b"])
+    pool.prepare_load(["used"])                 # its write-through
+    pool.complete_load(["used"])
+    assert pool.prepare_store(["n"]).evicted == ["a"]
+
+
 def test_marking_an_evictable_page_cold_moves_it_at_once(new_pool):
     pool = new_pool(0, 3, "lru")
     stored(pool, ["a", "b", "c"])

@@ -131,6 +131,21 @@ def test_the_equal_bytes_ceiling_bounds_the_learned_insertion_too():
     assert out["ceiling_at_recommended_attention_bytes"][0] <= out["ceiling_equal_bytes"][0]
 
 
+def test_one_shared_budget_restores_more_where_the_split_binds():
+    """Agents at 2 GiB on the shipped layout: the static split gives states room attention
+    needed; one budget in one LRU order moves it, never holding more than the budget."""
+    from hybridkv.config import load_layout
+    from hybridkv.tools.bench_policies import LAYOUT as SHIPPED
+
+    layout, prompts = load_layout(SHIPPED), workload_prompts("agentic")
+    split, shared = (replay(layout, prompts, 2 * 1024**3, policy("aligned-periodic"), "agentic", 8192,
+                            shared_budget=s) for s in (False, True))
+    assert shared.wrong_hits == 0
+    assert shared.token_hit_rate > split.token_hit_rate + 0.02
+    with pytest.raises(HybridKVError, match="one LRU order"):
+        replay(layout, prompts[:2], 2 * 1024**3, policy("marconi"), shared_budget=True)
+
+
 # -- traces, policies and the wrong-hit check ------------------------------------------------
 def _trace(tmp_path, lines, name="t.jsonl"):
     path = tmp_path / name
@@ -207,6 +222,8 @@ def test_compare_runs_every_policy_under_the_unlimited_ceiling(tmp_path):
     assert [changed_settings(name) for name in out["best"]] == out["best_settings"]
     assert "| best policy (settings beyond the defaults) | " in table(out)
     assert len(out["ceiling_at_recommended_attention_bytes"]) == 3
+    assert all(0 <= r <= out["ceiling_unlimited"] for r in out["recommended_shared_budget"])
+    assert "over one shared budget, one LRU order" in table(out)
     # a cache not told the prompt length plans for the model's maximum (1M here), then learns
     assert out["default_reference_tokens"] == 1 << 20
     assert len(out["recommended_at_default_reference"]) == 3

@@ -500,6 +500,7 @@ static PyObject *each_resident(Pool *p, PyObject *keys, int backwards, void (*fn
 
 static void touch_entry(Pool *p, int32_t id) {
     Entry *en = &p->e[id];
+    en->cold = 0;            /* used: it re-enters its list as any page does */
     if (en->where == IN_T1 && p->policy == POLICY_ARC) {   /* seen again: T1 -> T2 */
         en->where = IN_T2;
         p->size1--;
@@ -522,7 +523,8 @@ static void mark_cold_entry(Pool *p, int32_t id) {
     }
 }
 
-/* Keys of one request in prefix order: the prefix ends up most recent (last key first). */
+/* Keys of one request in prefix order: the prefix ends up most recent (last key first); a
+   page stored cold is an ordinary one from its first use. */
 static PyObject *Pool_touch(Pool *p, PyObject *keys) { return each_resident(p, keys, 1, touch_entry); }
 
 static PyObject *Pool_mark_cold(Pool *p, PyObject *keys) { return each_resident(p, keys, 0, mark_cold_entry); }

@@ -78,7 +78,7 @@ class PoolReports:
 class SlotPool(PoolReports):
     """One group's slots, in Python: the fallback of the compiled pool and the pool of any
     policy registered in Python. ``lookup(key)`` -> ``Lookup`` (MISS, HIT, HIT_PENDING) is
-    bound in ``__init__`` to the visibility map itself; ``touch`` to the policy's."""
+    bound in ``__init__`` to the visibility map itself."""
 
     lookup: Callable[[object], Lookup]
 
@@ -94,7 +94,6 @@ class SlotPool(PoolReports):
         self._free: list[int] = []
         self.slots_used = 0        # slots ever handed out, from 0 up; the rest wait here (lazy free list)
         self.stores = self.failed_stores = self.evictions = self.store_refusals = 0
-        self.touch = self.policy.touch   # recency update, straight to the policy (hot path)
 
     # -- queries -------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -209,10 +208,20 @@ class SlotPool(PoolReports):
         if entry.cold:
             self.policy.demote(key)
 
+    def touch(self, keys: Sequence) -> None:
+        """Keys of one request, in prefix order, were used: the prefix ends up most recent,
+        and a page stored cold re-enters the order as any page does from now on."""
+        entries = self._entries
+        for key in keys:
+            entry = entries.get(key)
+            if entry is not None:
+                entry.cold = False
+        self.policy.touch(keys)
+
     def mark_cold(self, keys: Sequence) -> None:
         """Resident keys (a store the caller expects no reuse of) re-enter the eviction order
-        where the policy evicts first, now if evictable and whenever they are released; a
-        hit's ``touch`` still makes them most recent."""
+        where the policy evicts first, now if evictable and whenever they are released, until
+        a hit's ``touch`` makes them ordinary pages."""
         entries = self._entries
         for key in keys:
             entry = entries.get(key)
@@ -253,6 +262,16 @@ class SlotPool(PoolReports):
             self.stores += len(done)
         else:
             self.failed_stores += len(done)
+
+    def evict_key(self, key) -> None:
+        """Evict one evictable key an owner chose (pools sharing one budget pick their victims
+        across groups); raises KeyError for a key that is absent, pinned or being written."""
+        if not self.policy.is_evictable(key):
+            raise KeyError(f"group {self.group_id}: key is not evictable")
+        self._free.append(self._entries.pop(key).slot)
+        del self._visible[key]
+        self.policy.removed(key)
+        self.evictions += 1
 
     # -- housekeeping --------------------------------------------------------------------
     def reset(self) -> None:

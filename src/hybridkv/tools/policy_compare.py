@@ -6,7 +6,9 @@ learned insertion, and keeps the better: no state policy can do better at that b
 unlimited ceiling is what the trace's repeated prefixes allow at all. Marconi's weight between recency and FLOPs saved is tuned per budget on the first part
 of the trace, as its paper bootstraps it. The recommended policy also runs as a cache with
 no ``reference_tokens`` plans RAM (for prompts of the model's maximum length, until it has
-learned the traffic's): what the setting is worth on this trace.
+learned the traffic's): what the setting is worth on this trace; and over one budget that
+attention pages and states share in one LRU order (``SharedBudgetPools``): what RAM's static
+split between them costs on this trace.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class Comparison:
     attention_share: list[float]            # of each budget, the recommended plan's KV pages
     at_default_reference: list[SimResult]   # the recommended policy without reference_tokens
     default_reference: int                  # what RAM is planned for then, until it is learned
+    shared_budget: list[SimResult]          # the recommended policy over one budget, one LRU order
     recommended: str = RECOMMENDED
 
     @property
@@ -76,6 +79,7 @@ class Comparison:
             "default_reference_tokens": self.default_reference,
             "recommended_at_default_reference": [r.token_hit_rate for r in self.at_default_reference],
             "learned_reference_tokens": [r.reference_tokens for r in self.at_default_reference],
+            "recommended_shared_budget": [r.token_hit_rate for r in self.shared_budget],
             "requests": self.ceiling[0].requests, "prompt_tokens": self.ceiling[0].prompt_tokens,
         }
 
@@ -114,23 +118,26 @@ def compare(layout: Layout, prompts: Sequence[np.ndarray], budgets: Sequence[int
     shares = [plan_pools(layout, b, rec.interval(layout.block_tokens), reference_tokens, None, rec.tail).token_slots * token_bytes
               for b in budgets]
     kv_only = [Policy("attention-only ceiling", states=False, insertion=insertion) for insertion in ("warm", "adaptive")]
-    # (result row, policy, budget, reference_tokens: None as a cache not told it)
-    runs = [(name, name, b, reference_tokens) for name in names for b in budgets]
-    runs += [(f"ceiling {i}", pol, b, reference_tokens) for i, pol in enumerate(kv_only) for b in budgets]
-    runs += [("unset", RECOMMENDED, b, None) for b in budgets]
-    runs += [(f"share {i}", pol, b, reference_tokens) for i, pol in enumerate(kv_only) for b in shares]
-    rows = [*names, "ceiling 0", "ceiling 1", "share 0", "share 1", "unset"]
+    # (result row, policy, budget, reference_tokens: None as a cache not told it, shared budget)
+    runs = [(name, name, b, reference_tokens, False) for name in names for b in budgets]
+    runs += [(f"ceiling {i}", pol, b, reference_tokens, False) for i, pol in enumerate(kv_only) for b in budgets]
+    runs += [("unset", RECOMMENDED, b, None, False) for b in budgets]
+    runs += [("shared", RECOMMENDED, b, reference_tokens, True) for b in budgets]
+    runs += [(f"share {i}", pol, b, reference_tokens, False) for i, pol in enumerate(kv_only) for b in shares]
+    rows = [*names, "ceiling 0", "ceiling 1", "share 0", "share 1", "unset", "shared"]
     results: dict[str, list[SimResult]] = {name: [] for name in rows}
-    for row, pol, budget, reference in tqdm(runs, desc=workload or "compare", unit="run", disable=not progress):
+    for row, pol, budget, reference, shared in tqdm(runs, desc=workload or "compare", unit="run",
+                                                    disable=not progress):
         if pol == "marconi":
             pol = _tuned_marconi(layout, prompts, budget, reference_tokens)
         elif isinstance(pol, str):
             pol = policy(pol)
-        results[row].append(replay(layout, prompts, budget, pol, workload, reference, progress=progress))
+        results[row].append(replay(layout, prompts, budget, pol, workload, reference, progress=progress,
+                                   shared_budget=shared))
     ceiling, share = (_better(results.pop(f"{row} 0"), results.pop(f"{row} 1")) for row in ("ceiling", "share"))
     return Comparison(workload, list(budgets), results, ceiling, share,
                       [s / b for s, b in zip(shares, budgets, strict=True)], results.pop("unset"),
-                      default_reference_tokens(layout))
+                      default_reference_tokens(layout), results.pop("shared"))
 
 
 def _better(plain: list[SimResult], learned: list[SimResult]) -> list[SimResult]:
@@ -164,6 +171,11 @@ def table(c: dict) -> str:
         f"{r / top:.2f}x" if top else "-" for r, top in zip(rec, ceiling, strict=True)) + " | | |")
     lines.append(f"| {c['recommended']} / ceiling at its KV bytes | " + " | ".join(
         f"{r / top:.2f}x" if top else "-" for r, top in zip(rec, share, strict=True)) + " | | |")
+    if "recommended_shared_budget" in c:
+        lines.append(f"| {c['recommended']} over one shared budget, one LRU order (no split: the bound of moving "
+                     "RAM between KV and states) | " + " | ".join(
+                         f"{r:.1%} ({r / top:.2f}x)" if top else f"{r:.1%}"
+                         for r, top in zip(c["recommended_shared_budget"], ceiling, strict=True)) + " | | |")
     if "best_settings" in c:
         lines.append("| best policy (settings beyond the defaults) | " + " | ".join(
             _how_to_run(name, changed) for name, changed in zip(c["best"], c["best_settings"], strict=True))

@@ -30,6 +30,7 @@ from hybridkv.core.layout import GroupKind, Layout
 from hybridkv.core.retention import AUTO, Retention, replay_boundary, resolve_interval
 from hybridkv.ram.policies import CostAwareLRU, EvictionPolicy
 from hybridkv.ram.regions import PagelessRegion
+from hybridkv.tools.shared_budget import shared_pools_for
 from hybridkv.tools.traces import read_trace, write_mooncake
 from hybridkv.tools.workloads import TRACE_BLOCK, TRACE_WORKLOADS, WORKLOADS
 
@@ -196,11 +197,14 @@ def _cost_aware(layout: Layout, costs: dict[bool, dict], alpha: float) -> Callab
 
 def replay(layout: Layout, requests: Sequence[np.ndarray] | Iterable[np.ndarray], budget_bytes: int,
            pol: Policy, workload: str = "", reference_tokens: int | None = 8192,
-           connector: type[Connector] = Connector, progress: bool = False) -> SimResult:
+           connector: type[Connector] = Connector, progress: bool = False,
+           shared_budget: bool = False) -> SimResult:
     """Replay prompts (token id arrays) through the real ``Connector`` over a pageless
     ``TieredCache`` planned from ``budget_bytes``, offering what an engine offers at each block
     end, and check every hit against ``PrefixTruth``. ``reference_tokens=None`` plans RAM as a
-    cache not told the prompt length does (for the model's longest, then learned)."""
+    cache not told the prompt length does (for the model's longest, then learned);
+    ``shared_budget``: every group draws on one budget in one LRU order instead of the plan's
+    split (``SharedBudgetPools``, the bound of a split that follows the traffic)."""
     if not pol.states:
         layout = attention_only(layout)
     B = layout.block_tokens
@@ -210,9 +214,13 @@ def replay(layout: Layout, requests: Sequence[np.ndarray] | Iterable[np.ndarray]
                          spare_states=pol.spare)
     flop_aware = pol.eviction == "flop"
     block_cost, state_cost = {}, {}      # key -> recompute FLOPs its page saves, per byte
+    if shared_budget and pol.eviction != "lru":
+        raise HybridKVError(f"the shared-budget bound keeps one LRU order; it does not apply to eviction {pol.eviction!r}")
     cache = TieredCache(layout, config, secondaries=[], pageless=True,
                         eviction=_cost_aware(layout, {False: block_cost, True: state_cost}, pol.alpha)
-                        if flop_aware else None)
+                        if flop_aware else None,
+                        pools=shared_pools_for(budget_bytes, {g.id: g.page_bytes for g in layout.groups})
+                        if shared_budget else None)
     conn = connector(cache, None if pol.align is None else pol.keeper(B))     # None: it learns
     token_pages = dict.fromkeys(conn.token_groups, PagelessRegion.EMPTY)
     state_pages = dict.fromkeys(conn.state_groups, PagelessRegion.EMPTY)

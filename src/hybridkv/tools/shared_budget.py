@@ -1,0 +1,128 @@
+"""What RAM's static split costs: pools that share one byte budget and one LRU order.
+
+The cache splits RAM between attention pages and recurrent states when it starts (the
+planner sizes each group's pool for the prompt length it was given), because a region is
+mapped, and on a GPU pinned, whole. The right split depends on the traffic: replaying
+traces, one kind's pool evicted pages it needed while the other's had room to spare.
+``SharedBudgetPools`` is the upper bound of any rule that moves that room at run time: every
+group draws on one budget, pages leave in one least-recently-used order whatever their kind,
+and no byte is lost to fragmentation. It keeps keys only, so it serves the simulator's
+pageless cache, where ``replay(..., shared_budget=True)`` measures it beside the static split.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Mapping
+
+from hybridkv.ram.grouped_pools import GroupedPools, GroupKeys
+from hybridkv.ram.policies import EvictionPolicy
+from hybridkv.ram.pool import SlotPool, StorePlan
+
+
+class _GroupView(EvictionPolicy):
+    """One group's keys in the shared order (front: evicted first). The pool never evicts
+    by itself: it is as large as the whole budget, and ``SharedBudgetPools`` evicts."""
+
+    def __init__(self, group_id: int, order: OrderedDict):
+        self.gid, self.order, self.count = group_id, order, 0
+
+    def set_evictable(self, key, evictable):
+        entry = (self.gid, key)
+        if evictable:
+            self.count += entry not in self.order
+            self.order[entry] = None
+            self.order.move_to_end(entry)
+        elif entry in self.order:
+            del self.order[entry]
+            self.count -= 1
+
+    def removed(self, key):
+        if (self.gid, key) in self.order:
+            del self.order[(self.gid, key)]
+            self.count -= 1
+
+    def demote(self, key):
+        if (self.gid, key) in self.order:
+            self.order.move_to_end((self.gid, key), last=False)
+
+    def touch(self, keys):
+        order = self.order
+        for key in reversed(keys):
+            if (self.gid, key) in order:
+                order.move_to_end((self.gid, key))
+
+    def evict(self, n, protected):
+        return None if n > 0 else []
+
+    def evictable_count(self):
+        return self.count
+
+    def is_evictable(self, key):
+        return (self.gid, key) in self.order
+
+
+class SharedBudgetPools(GroupedPools):
+    """``GroupedPools`` whose groups hold at most ``budget_bytes`` together (``page_bytes``:
+    each group's page size); a store evicts the least recently used pages of any group."""
+
+    def __init__(self, slots_per_group: Mapping[int, int], budget_bytes: int, page_bytes: Mapping[int, int]):
+        self.budget_bytes, self.page_bytes = budget_bytes, dict(page_bytes)
+        self.order: OrderedDict[tuple[int, Hashable], None] = OrderedDict()
+        super().__init__(slots_per_group)
+
+    def resize(self, slots_per_group: Mapping[int, int]) -> None:
+        """New, empty pools for these groups; their sizes come from the budget, not the plan."""
+        if not self.idle():
+            raise ValueError("pools cannot be resized while a slot is pinned or being written")
+        self.order.clear()
+        self.pools = {gid: SlotPool(gid, self.budget_bytes // self.page_bytes[gid] + 1, _GroupView(gid, self.order))
+                      for gid in slots_per_group}
+
+    def bytes_used(self) -> int:
+        return sum(len(pool) * self.page_bytes[gid] for gid, pool in self.pools.items())
+
+    def free_slots(self, group_id: int) -> int:
+        return max(0, self.budget_bytes - self.bytes_used()) // self.page_bytes[group_id]
+
+    def prepare_store(self, keys: GroupKeys, cold: bool = False, spare: bool = False) -> dict[int, StorePlan] | None:
+        """All groups place their keys, evicting the least recently used pages of any group,
+        or none does (None); ``spare`` stores only into free room, as the split pools do."""
+        news = {gid: self.pools[gid].new_keys(ks) for gid, ks in keys.items()}
+        need = self.bytes_used() + sum(len(n) * self.page_bytes[gid] for gid, n in news.items()) - self.budget_bytes
+        if need > 0:
+            victims = None if spare else self._victims(need, {(gid, k) for gid, ks in keys.items() for k in ks})
+            if victims is None:
+                if not spare:
+                    for gid in keys:
+                        self.pools[gid].store_refusals += 1
+                return None
+            for gid, key in victims:
+                self._evict(gid, key)
+        plans = {gid: self.pools[gid].prepare_store(ks, news[gid]) for gid, ks in keys.items()}
+        if cold or spare:
+            for gid, plan in plans.items():
+                plan.spare = spare
+                if plan.keys:
+                    self.pools[gid].mark_cold(plan.keys)
+        return plans
+
+    def _victims(self, need: int, protected: set) -> list[tuple[int, Hashable]] | None:
+        """The least recently used evictable pages whose bytes cover ``need``, or None."""
+        victims, freed = [], 0
+        for entry in self.order:
+            if entry in protected:
+                continue
+            victims.append(entry)
+            freed += self.page_bytes[entry[0]]
+            if freed >= need:
+                return victims
+        return None
+
+    def _evict(self, group_id: int, key: Hashable) -> None:
+        self.pools[group_id].evict_key(key)
+
+
+def shared_pools_for(budget_bytes: int, page_bytes: Mapping[int, int]):
+    """A ``TieredCache(pools=...)`` factory: ``SharedBudgetPools`` over this budget."""
+    return lambda slots_per_group: SharedBudgetPools(slots_per_group, budget_bytes, page_bytes)
