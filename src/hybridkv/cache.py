@@ -28,7 +28,7 @@ import numpy as np
 
 from hybridkv.config import CacheConfig
 from hybridkv.core.errors import HybridKVError
-from hybridkv.core.layout import Layout
+from hybridkv.core.layout import GroupKind, Layout
 from hybridkv.core.planner import Plan, default_reference_tokens, plan_pools
 from hybridkv.promotion import Load, Promotion, Promotions, TierCounters
 from hybridkv.ram.grouped_pools import GroupedPools
@@ -159,7 +159,8 @@ class TieredCache:
         reference = config.reference_tokens or default_reference_tokens(layout)
         self.plan = plan or self._plan(reference)
         slots = self.plan.slots_per_group()
-        self.pools = pools(slots) if pools else GroupedPools(slots, eviction or config.eviction)
+        states = [g.id for g in layout.cacheable_groups if g.kind is GroupKind.STATE]
+        self.pools = pools(slots) if pools else GroupedPools(slots, eviction or config.eviction, states)
         self.regions: dict[int, SharedRegion | PagelessRegion] = {}
         self.secondaries: list[SecondaryTier] = []
         self.counters: dict[str, TierCounters] = {RAM: TierCounters()}

@@ -161,6 +161,27 @@ def test_marking_an_evictable_page_cold_moves_it_at_once(new_pool):
     assert pool.prepare_store(["n"]).evicted == ["c"]
 
 
+def test_a_state_whose_block_left_ram_is_evicted_before_older_states():
+    """A hit needs the attention page of the block a state ends: without it the state cannot
+    serve from RAM, so it is the first state to go."""
+    mgr = GroupedPools({0: 2, 1: 2}, state_groups=[1])
+    for key in ("a", "b"):
+        mgr.prepare_store({0: [key], 1: [key]})
+        mgr.complete_store({0: [key], 1: [key]})
+    mgr.touch({0: ["a"]})                                   # attention page "b" is the LRU one
+    assert mgr.prepare_store({0: ["c"]})[0].evicted == ["b"]
+    mgr.complete_store({0: ["c"]})
+    assert mgr.prepare_store({1: ["d"]})[1].evicted == ["b"]     # not "a", the older state
+    plain = GroupedPools({0: 2, 1: 2})                       # told no state groups: plain LRU
+    for key in ("a", "b"):
+        plain.prepare_store({0: [key], 1: [key]})
+        plain.complete_store({0: [key], 1: [key]})
+    plain.touch({0: ["a"]})
+    plain.prepare_store({0: ["c"]})
+    plain.complete_store({0: ["c"]})
+    assert plain.prepare_store({1: ["d"]})[1].evicted == ["a"]
+
+
 def test_grouped_cold_store_marks_every_group():
     mgr = GroupedPools({0: 2, 1: 2})
     for key in ("a", "b"):

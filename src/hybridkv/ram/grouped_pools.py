@@ -3,6 +3,10 @@
 A store spanning groups first asks every pool whether it can place its keys and only then
 reserves anything, so a refusal never evicts a page in another group for nothing (vLLM
 rolls back reservations but its evictions are already done).
+
+A state page serves only together with the attention page of the block it ends: when a store
+evicts that page from RAM, the state can no longer give a RAM hit, so it is demoted to the
+evicted-first end (a hit that uses it again makes it an ordinary page).
 """
 
 from __future__ import annotations
@@ -21,11 +25,13 @@ GroupKeys = Mapping[int, Sequence]
 
 
 class GroupedPools:
-    """``policy`` is a built-in policy's name or ``(group id, capacity) -> EvictionPolicy``."""
+    """``policy`` is a built-in policy's name or ``(group id, capacity) -> EvictionPolicy``;
+    ``state_groups``: the groups holding recurrent states (the others hold a page per block)."""
 
     def __init__(self, slots_per_group: Mapping[int, int],
-                 policy: str | Callable[[int, int], EvictionPolicy] = "lru"):
+                 policy: str | Callable[[int, int], EvictionPolicy] = "lru", state_groups: Sequence[int] = ()):
         self._policy = policy
+        self.state_groups = [gid for gid in state_groups if gid in slots_per_group]
         self.pools: dict[int, SlotPool] = {}
         self.resize(slots_per_group)
         self._request_pins: dict[str, Counter] = {}
@@ -101,12 +107,22 @@ class GroupedPools:
                 return None
         plans = {gid: self.pools[gid].prepare_store(ks, news[gid]) for gid, ks in keys.items()}
         assert all(plan is not None for plan in plans.values()), "can_place promised room"
+        for gid, plan in plans.items():
+            if plan.evicted:
+                self.evicted(gid, plan.evicted)
         if cold or spare:
             for gid, plan in plans.items():
                 plan.spare = spare
                 if plan.keys:
                     self.pools[gid].mark_cold(plan.keys)
         return plans
+
+    def evicted(self, group_id: int, keys: Sequence) -> None:
+        """``keys`` left this group's pool: where they were attention pages, the states ending
+        at their blocks cannot serve from RAM any more and go first."""
+        if group_id not in self.state_groups:
+            for gid in self.state_groups:
+                self.pools[gid].mark_cold(keys)
 
     def complete_store(self, keys: GroupKeys, success: bool = True) -> None:
         for gid, ks in keys.items():

@@ -13,8 +13,9 @@ pageless cache, where ``replay(..., shared_budget=True)`` measures it beside the
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Mapping, Sequence
 
+from hybridkv.core.layout import GroupKind, Layout
 from hybridkv.ram.grouped_pools import GroupedPools, GroupKeys
 from hybridkv.ram.policies import EvictionPolicy
 from hybridkv.ram.pool import SlotPool, StorePlan
@@ -66,10 +67,11 @@ class SharedBudgetPools(GroupedPools):
     """``GroupedPools`` whose groups hold at most ``budget_bytes`` together (``page_bytes``:
     each group's page size); a store evicts the least recently used pages of any group."""
 
-    def __init__(self, slots_per_group: Mapping[int, int], budget_bytes: int, page_bytes: Mapping[int, int]):
+    def __init__(self, slots_per_group: Mapping[int, int], budget_bytes: int, page_bytes: Mapping[int, int],
+                 state_groups: Sequence[int] = ()):
         self.budget_bytes, self.page_bytes = budget_bytes, dict(page_bytes)
         self.order: OrderedDict[tuple[int, Hashable], None] = OrderedDict()
-        super().__init__(slots_per_group)
+        super().__init__(slots_per_group, state_groups=state_groups)
 
     def resize(self, slots_per_group: Mapping[int, int]) -> None:
         """New, empty pools for these groups; their sizes come from the budget, not the plan."""
@@ -98,7 +100,8 @@ class SharedBudgetPools(GroupedPools):
                         self.pools[gid].store_refusals += 1
                 return None
             for gid, key in victims:
-                self._evict(gid, key)
+                self.pools[gid].evict_key(key)
+                self.evicted(gid, [key])
         plans = {gid: self.pools[gid].prepare_store(ks, news[gid]) for gid, ks in keys.items()}
         if cold or spare:
             for gid, plan in plans.items():
@@ -119,10 +122,9 @@ class SharedBudgetPools(GroupedPools):
                 return victims
         return None
 
-    def _evict(self, group_id: int, key: Hashable) -> None:
-        self.pools[group_id].evict_key(key)
 
-
-def shared_pools_for(budget_bytes: int, page_bytes: Mapping[int, int]):
+def shared_pools_for(budget_bytes: int, layout: Layout):
     """A ``TieredCache(pools=...)`` factory: ``SharedBudgetPools`` over this budget."""
-    return lambda slots_per_group: SharedBudgetPools(slots_per_group, budget_bytes, page_bytes)
+    pages = {g.id: g.page_bytes for g in layout.groups}
+    states = [g.id for g in layout.groups if g.kind is GroupKind.STATE]
+    return lambda slots_per_group: SharedBudgetPools(slots_per_group, budget_bytes, pages, states)

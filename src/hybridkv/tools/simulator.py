@@ -219,7 +219,7 @@ def replay(layout: Layout, requests: Sequence[np.ndarray] | Iterable[np.ndarray]
     cache = TieredCache(layout, config, secondaries=[], pageless=True,
                         eviction=_cost_aware(layout, {False: block_cost, True: state_cost}, pol.alpha)
                         if flop_aware else None,
-                        pools=shared_pools_for(budget_bytes, {g.id: g.page_bytes for g in layout.groups})
+                        pools=shared_pools_for(budget_bytes, layout)
                         if shared_budget else None)
     conn = connector(cache, None if pol.align is None else pol.keeper(B))     # None: it learns
     token_pages = dict.fromkeys(conn.token_groups, PagelessRegion.EMPTY)
