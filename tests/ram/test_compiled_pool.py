@@ -45,6 +45,10 @@ class SideBySide:
                 assert got_p.slots == got_c.slots
         elif name == "prepare_load" and kind_p == "ok":
             assert self.slots_may_differ or got_p == got_c
+        elif name == "oldest":      # each pool type keeps its own clock: compare what it says
+            assert (got_p is None, got_p == 0) == (got_c is None, got_c == 0), outcomes
+        elif name == "set_capacity" and self.slots_may_differ:
+            assert (got_p is None) == (got_c is None), outcomes
         elif name != "reset":
             assert got_p == got_c, (name, args, outcomes)
         if name == "reset":
@@ -71,6 +75,7 @@ class SameAnswers(RuleBasedStateMachine):
     @initialize(policy=st.sampled_from(["lru", "arc"]), capacity=st.integers(1, 6))
     def create(self, policy, capacity):
         self.pools = SideBySide(capacity, policy)
+        self.policy = policy
 
     keys = st.lists(st.integers(0, KEYS - 1), max_size=5)
 
@@ -109,6 +114,21 @@ class SameAnswers(RuleBasedStateMachine):
     @rule()
     def reset(self):
         self.pools.call("reset")
+
+    @rule(n=st.integers(0, 3))
+    def evict_lru(self, n):
+        self.pools.call("evict_lru", n)
+
+    @rule(capacity=st.integers(1, 8))
+    def set_capacity(self, capacity):
+        """Pools sharing one budget grow and shrink (LRU only: ARC sizes its lists by it)."""
+        if self.policy == "lru":
+            self.pools.call("set_capacity", capacity)
+
+    @rule()
+    def oldest(self):
+        if self.policy == "lru":
+            self.pools.call("oldest")
 
     @invariant()
     def agree(self):

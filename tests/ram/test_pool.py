@@ -356,3 +356,40 @@ class PoolModel(RuleBasedStateMachine):
 
 TestPoolModel = PoolModel.TestCase
 TestPoolModel.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+# -- pools sharing one budget: recency across pools, eviction on demand, capacity moves ------
+def test_oldest_compares_recency_across_pools(new_pool):
+    first, second = new_pool(0, 4, "lru"), new_pool(1, 4, "lru")
+    assert first.oldest() is None
+    stored(first, ["a", "b"])
+    stored(second, ["x"])
+    assert first.oldest() < second.oldest()          # "a" was stored before "x"
+    first.touch(["a", "b"])
+    assert first.oldest() > second.oldest()          # now "x" is the older page
+    second.mark_cold(["x"])
+    assert second.oldest() == 0
+
+
+def test_evict_lru_takes_the_pages_eviction_would(new_pool):
+    pool = new_pool(0, 4, "lru")
+    stored(pool, ["a", "b", "c"])
+    pool.touch(["a"])
+    assert pool.evict_lru(2) == ["b", "c"] and pool.free_count() == 3
+    pool.prepare_load(["a"])
+    assert pool.evict_lru(1) is None and "a" in pool   # pinned: nothing to take
+
+
+def test_shrinking_moves_the_pages_past_the_end_into_free_slots(new_pool):
+    pool = new_pool(0, 3, "lru")
+    stored(pool, ["a", "b", "c"])                     # slots 0, 1, 2
+    assert pool.set_capacity(2) is None               # no free slot below for "c"
+    pool.evict_lru(1)                                 # "a" leaves slot 0
+    pool.prepare_load(["c"])
+    assert pool.set_capacity(2) is None and pool.capacity == 3     # a pinned page stays put
+    pool.complete_load(["c"])
+    assert pool.set_capacity(2) == [("c", 2, 0)]
+    assert pool.capacity == 2 and pool.free_count() == 0 and pool.slot_of("c") == 0
+    assert pool.set_capacity(4) == [] and pool.free_count() == 2
+    plan = pool.prepare_store(["d", "e"])
+    assert sorted(plan.slots) == [2, 3] and not plan.evicted

@@ -31,7 +31,12 @@ typedef struct {
     int8_t where;
     int8_t cold;            /* stored cold: re-enters its list at the evicted-first end */
     uint32_t mark;          /* == pool->mark: one of the current call's keys */
+    uint64_t stamp;         /* when it last became most recent (`recency`); 0: at the front */
 } Entry;
+
+/* One clock for every pool of the process (policies.RECENCY): pools sharing one budget
+   compare the stamps of their least recently used pages. */
+static uint64_t recency = 0;
 
 /* A bucket answers a lookup by itself (key compare + answer bits): the entry is not read. */
 typedef struct {
@@ -269,9 +274,15 @@ static void insert_before(Pool *p, int l, int32_t id, int32_t at) {
     p->len[l]++;
 }
 
-static void push_back(Pool *p, int l, int32_t id) { insert_before(p, l, id, EMPTY); }
+static void push_back(Pool *p, int l, int32_t id) {
+    p->e[id].stamp = ++recency;
+    insert_before(p, l, id, EMPTY);
+}
 
-static void push_front(Pool *p, int l, int32_t id) { insert_before(p, l, id, p->head[l]); }
+static void push_front(Pool *p, int l, int32_t id) {
+    p->e[id].stamp = 0;
+    insert_before(p, l, id, p->head[l]);
+}
 
 static void unlink_entry(Pool *p, int32_t id) {
     Entry *en = &p->e[id];
@@ -295,6 +306,8 @@ static inline void move_to_back(Pool *p, int32_t id) {
     if (p->tail[l] != id) {
         unlink_entry(p, id);
         push_back(p, l, id);
+    } else {
+        p->e[id].stamp = ++recency;
     }
 }
 
@@ -346,12 +359,16 @@ static void evict_entry(Pool *p, int32_t id) {
 
 /* Mark the call's keys (they are never victims). Returns how many distinct marked keys are
  * evictable (what can_place must not count on), or -1 on error. */
-static Py_ssize_t mark_keys(Pool *p, PyObject *fast) {
+static void new_mark(Pool *p) {
     if (++p->mark == 0) {
         for (int32_t i = 0; i < p->n_entries; i++)
             p->e[i].mark = 0;
         p->mark = 1;
     }
+}
+
+static Py_ssize_t mark_keys(Pool *p, PyObject *fast) {
+    new_mark(p);
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), evictable = 0;
     PyObject **items = PySequence_Fast_ITEMS(fast);
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -794,6 +811,124 @@ static PyObject *Pool_resident_keys(Pool *p, PyObject *Py_UNUSED(ignored)) {
     return out;
 }
 
+/* ---- a budget shared with other pools (pool.py: oldest, evict_lru, set_capacity) -------- */
+
+static PyObject *Pool_oldest(Pool *p, PyObject *Py_UNUSED(ignored)) {
+    if (p->policy != POLICY_LRU) {
+        PyErr_SetString(PyExc_NotImplementedError, "recency stamps are kept under LRU only");
+        return NULL;
+    }
+    if (p->head[T1] == EMPTY)
+        Py_RETURN_NONE;
+    return PyLong_FromUnsignedLongLong(p->e[p->head[T1]].stamp);
+}
+
+static PyObject *Pool_evict_lru(Pool *p, PyObject *arg) {
+    Py_ssize_t n = PyLong_AsSsize_t(arg);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    PyObject *out = PyList_New(0);
+    if (out == NULL || n <= 0)
+        return out;
+    int32_t *ids = PyMem_Malloc(sizeof(int32_t) * (size_t)n);
+    if (ids == NULL) {
+        Py_DECREF(out);
+        return PyErr_NoMemory();
+    }
+    new_mark(p);                     /* no key is protected */
+    if (!choose_victims(p, n, ids)) {
+        PyMem_Free(ids);
+        Py_DECREF(out);
+        Py_RETURN_NONE;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)   /* list first: evicting may drop the key */
+        if (PyList_Append(out, p->e[ids[i]].key) < 0) {
+            PyMem_Free(ids);
+            Py_DECREF(out);
+            return NULL;
+        }
+    for (Py_ssize_t i = 0; i < n; i++)
+        evict_entry(p, ids[i]);
+    p->evictions += n;
+    PyMem_Free(ids);
+    return out;
+}
+
+typedef struct { int32_t slot, id; } SlotOf;
+
+static int by_slot(const void *a, const void *b) {
+    int32_t x = ((const SlotOf *)a)->slot, y = ((const SlotOf *)b)->slot;
+    return (x > y) - (x < y);
+}
+
+static int ascending(const void *a, const void *b) {
+    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* Grow, or shrink moving the pages past the new end to the lowest free slots below it. */
+static PyObject *Pool_set_capacity(Pool *p, PyObject *arg) {
+    Py_ssize_t cap = PyLong_AsSsize_t(arg);
+    if (cap == -1 && PyErr_Occurred())
+        return NULL;
+    if (cap <= 0 || cap > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "group %R: a pool needs at least one slot", p->group_id);
+        return NULL;
+    }
+    Py_ssize_t n_above = 0, n_below = 0;
+    for (int32_t i = 0; i < p->n_entries; i++) {
+        const Entry *en = &p->e[i];
+        if (resident(en) && en->slot >= cap) {
+            if (en->refs != 0)
+                Py_RETURN_NONE;     /* pinned or being written: it cannot move */
+            n_above++;
+        }
+    }
+    for (Py_ssize_t i = 0; i < p->n_free; i++)
+        n_below += p->free_slots[i] < cap;
+    if (n_above > n_below)
+        Py_RETURN_NONE;
+    SlotOf *above = PyMem_Malloc(sizeof(SlotOf) * (size_t)(n_above ? n_above : 1));
+    int32_t *below = PyMem_Malloc(sizeof(int32_t) * (size_t)(n_below ? n_below : 1));
+    PyObject *moves = PyList_New(n_above);
+    if (above == NULL || below == NULL || moves == NULL) {
+        if (moves != NULL)
+            PyErr_NoMemory();
+        goto fail;
+    }
+    Py_ssize_t k = 0;
+    for (int32_t i = 0; i < p->n_entries; i++)
+        if (resident(&p->e[i]) && p->e[i].slot >= cap)
+            above[k++] = (SlotOf){p->e[i].slot, i};
+    qsort(above, (size_t)n_above, sizeof(SlotOf), by_slot);
+    k = 0;
+    for (Py_ssize_t i = 0; i < p->n_free; i++)
+        if (p->free_slots[i] < cap)
+            below[k++] = p->free_slots[i];
+    qsort(below, (size_t)n_below, sizeof(int32_t), ascending);
+    for (Py_ssize_t i = 0; i < n_above; i++) {     /* built whole before anything changes */
+        PyObject *move = Py_BuildValue("(Oii)", p->e[above[i].id].key, above[i].slot, below[i]);
+        if (move == NULL)
+            goto fail;
+        PyList_SET_ITEM(moves, i, move);
+    }
+    for (Py_ssize_t i = 0; i < n_above; i++)
+        p->e[above[i].id].slot = below[i];
+    memcpy(p->free_slots, below + n_above, sizeof(int32_t) * (size_t)(n_below - n_above));
+    p->n_free = n_below - n_above;
+    if (p->fresh > cap)
+        p->fresh = cap;
+    p->capacity = cap;
+    PyMem_Free(above);
+    PyMem_Free(below);
+    return moves;
+fail:
+    PyMem_Free(above);
+    PyMem_Free(below);
+    Py_XDECREF(moves);
+    return NULL;
+}
+
 static PyObject *Pool_free_count(Pool *p, PyObject *Py_UNUSED(ignored)) {
     return PyLong_FromSsize_t(free_count(p));
 }
@@ -888,6 +1023,10 @@ static PyMethodDef Pool_methods[] = {
     {"reset", (PyCFunction)Pool_reset, METH_NOARGS, "forget every idle key"},
     {"resident_keys", (PyCFunction)Pool_resident_keys, METH_NOARGS, NULL},
     {"free_count", (PyCFunction)Pool_free_count, METH_NOARGS, NULL},
+    {"oldest", (PyCFunction)Pool_oldest, METH_NOARGS, "recency stamp of the page eviction takes next, or None"},
+    {"evict_lru", (PyCFunction)Pool_evict_lru, METH_O, "evict the n pages eviction takes first, or None"},
+    {"set_capacity", (PyCFunction)Pool_set_capacity, METH_O,
+     "grow, or shrink moving the pages past the end: [(key, from, to)], or None"},
     {"evictable_count", (PyCFunction)Pool_evictable_count, METH_NOARGS, NULL},
     {"slot_of", (PyCFunction)Pool_slot_of, METH_O, NULL},
     {"refs_of", (PyCFunction)Pool_refs_of, METH_O, NULL},

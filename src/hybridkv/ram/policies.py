@@ -3,12 +3,19 @@
 The pool tells the policy which resident keys are *evictable* (stored, not pinned); the
 policy keeps only the order and answers ``evict(n, protected)`` all-or-nothing. A new
 policy subclasses ``EvictionPolicy`` and registers in ``POLICIES``; pools never change.
+
+LRU also stamps each evictable key with when it last became most recent (``RECENCY``, one
+clock for every pool of the process; 0 for a key stored cold), so pools that share one
+budget can tell whose least recently used page is older (``oldest``).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Hashable, Iterator, Sequence
+
+RECENCY = itertools.count(1)
 
 
 class EvictionPolicy:
@@ -39,6 +46,10 @@ class EvictionPolicy:
     def evictable_count(self) -> int:
         raise NotImplementedError
 
+    def oldest(self) -> int | None:
+        """The recency stamp of the key eviction takes next, None where none is evictable."""
+        raise NotImplementedError
+
     def is_evictable(self, key: Hashable) -> bool:
         raise NotImplementedError
 
@@ -56,14 +67,15 @@ def _take(it: Iterator, protected: Collection, n: int, out: list) -> None:
 
 
 class LRUPolicy(EvictionPolicy):
-    """Least recently used; only evictable keys live in the order structure."""
+    """Least recently used; only evictable keys live in the order structure, each with its
+    recency stamp."""
 
     def __init__(self, capacity: int):
         self._order: OrderedDict = OrderedDict()
 
     def set_evictable(self, key, evictable):
         if evictable:
-            self._order[key] = None
+            self._order[key] = next(RECENCY)
         else:
             self._order.pop(key, None)
 
@@ -72,6 +84,7 @@ class LRUPolicy(EvictionPolicy):
 
     def demote(self, key):
         self._order.move_to_end(key, last=False)
+        self._order[key] = 0
 
     def touch(self, keys):
         order = self._order
@@ -79,6 +92,12 @@ class LRUPolicy(EvictionPolicy):
         for key in reversed(keys):
             if key in order:
                 move(key)
+                order[key] = next(RECENCY)
+
+    def oldest(self):
+        for stamp in self._order.values():
+            return stamp
+        return None
 
     def evict(self, n, protected):
         if n == 1:  # the common case: one victim, stop at the first unprotected key
@@ -131,7 +150,7 @@ class CostAwareLRU(LRUPolicy):
             _take(iter(self._order), protected, self.window, window)
             if not window:
                 for key in reversed(victims):     # all-or-nothing: put the chosen ones back
-                    self._order[key] = None
+                    self._order[key] = 0
                     self._order.move_to_end(key, last=False)
                 return None
             costs = [self.cost(key) or 0.0 for key in window]

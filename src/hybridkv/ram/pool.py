@@ -181,11 +181,7 @@ class SlotPool(PoolReports):
             if victims is None:
                 self.store_refusals += 1
                 return None
-            visible = self._visible
-            for key in victims:
-                free.append(entries.pop(key).slot)
-                del visible[key]
-            self.evictions += len(victims)
+            self._drop(victims)
             evicted = victims
         slots = []
         inserted, visible = self.policy.inserted, self._visible
@@ -263,15 +259,54 @@ class SlotPool(PoolReports):
         else:
             self.failed_stores += len(done)
 
+    def _drop(self, victims: list) -> None:
+        """Free the slots of keys the policy has just evicted."""
+        entries, free, visible = self._entries, self._free, self._visible
+        for key in victims:
+            free.append(entries.pop(key).slot)
+            del visible[key]
+        self.evictions += len(victims)
+
     def evict_key(self, key) -> None:
         """Evict one evictable key an owner chose (pools sharing one budget pick their victims
         across groups); raises KeyError for a key that is absent, pinned or being written."""
         if not self.policy.is_evictable(key):
             raise KeyError(f"group {self.group_id}: key is not evictable")
-        self._free.append(self._entries.pop(key).slot)
-        del self._visible[key]
         self.policy.removed(key)
-        self.evictions += 1
+        self._drop([key])
+
+    # -- a budget shared with other pools ------------------------------------------------
+    def oldest(self) -> int | None:
+        """When the page eviction takes next last became most recent (``policies.RECENCY``;
+        0: stored cold), None where no page is evictable."""
+        return self.policy.oldest()
+
+    def evict_lru(self, n: int) -> list | None:
+        """Evict the ``n`` pages eviction takes first, now; None (nothing changed) where fewer
+        are evictable."""
+        victims = self.policy.evict(n, ())
+        if victims is not None:
+            self._drop(victims)
+        return victims
+
+    def set_capacity(self, capacity: int) -> list[tuple[object, int, int]] | None:
+        """Grow, or shrink: the pages in slots at or past ``capacity`` move to the lowest free
+        slots below it. Returns those moves as (key, from, to), lowest ``from`` first, for the
+        caller to copy the bytes; None (nothing changed) where one of them is pinned or being
+        written, or too few slots below are free."""
+        if capacity <= 0:
+            raise ValueError(f"group {self.group_id}: a pool needs at least one slot")
+        above = sorted((e.slot, k) for k, e in self._entries.items() if e.slot >= capacity)
+        below = sorted(s for s in self._free if s < capacity)
+        if any(self._entries[k].refs != 0 for _, k in above) or len(above) > len(below):
+            return None
+        moves = [(k, slot, to) for (slot, k), to in zip(above, below, strict=False)]
+        for key, _, to in moves:
+            self._entries[key].slot = to
+        self._free = below[len(moves):]
+        self.slots_used = min(self.slots_used, capacity)
+        self.capacity = capacity
+        return moves
 
     # -- housekeeping --------------------------------------------------------------------
     def reset(self) -> None:
