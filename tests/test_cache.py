@@ -174,10 +174,12 @@ def test_a_replan_whose_regions_cannot_be_made_changes_nothing(tmp_path):
         cache.release(load)
 
 
-def test_regions_are_removed_at_close(tmp_path):
-    config = CacheConfig(block_tokens=16, ram_bytes=1024**2, ram_dir=str(tmp_path))
+@pytest.mark.parametrize("split, regions", [("shared", 1), ("static", 2)])
+def test_regions_are_removed_at_close(tmp_path, split, regions):
+    """One arena the groups share, or a region per group: none is left behind."""
+    config = CacheConfig(block_tokens=16, ram_bytes=1024**2, ram_dir=str(tmp_path), ram_split=split)
     cache = TieredCache(LAYOUT, config)
-    assert len(list(tmp_path.glob("hybridkv-*.lease"))) == 2
+    assert len(list(tmp_path.glob("hybridkv-*.lease"))) == regions
     cache.close()
     assert not list(tmp_path.iterdir())
 

@@ -31,10 +31,18 @@ from hybridkv.core.errors import HybridKVError
 from hybridkv.core.layout import GroupKind, Layout
 from hybridkv.core.planner import Plan, default_reference_tokens, plan_pools
 from hybridkv.promotion import Load, Promotion, Promotions, TierCounters
+from hybridkv.ram.arena import Arena
 from hybridkv.ram.grouped_pools import GroupedPools
 from hybridkv.ram.policies import EvictionPolicy
 from hybridkv.ram.pool import Lookup, StorePlan
-from hybridkv.ram.regions import PagelessRegion, PinHook, SharedRegion, remove_stale_regions
+from hybridkv.ram.regions import (
+    MAP_AHEAD_BYTES,
+    PagelessRegion,
+    PinHook,
+    RegionView,
+    SharedRegion,
+    remove_stale_regions,
+)
 from hybridkv.tiers.base import SecondaryTier, open_tiers
 from hybridkv.tiers.io_queue import batches_of, outcomes
 
@@ -95,7 +103,7 @@ class PageCache(Protocol):
     layout: Layout
     config: CacheConfig
     plan: Plan                                             # how RAM is split between groups
-    regions: Mapping[int, SharedRegion | PagelessRegion]   # a worker process maps them by path
+    regions: Mapping[int, SharedRegion | RegionView | PagelessRegion]   # a worker process maps them by path
 
     @property
     def tier_names(self) -> list[str]: ...
@@ -160,8 +168,11 @@ class TieredCache:
         self.plan = plan or self._plan(reference)
         slots = self.plan.slots_per_group()
         states = [g.id for g in layout.cacheable_groups if g.kind is GroupKind.STATE]
-        self.pools = pools(slots) if pools else GroupedPools(slots, eviction or config.eviction, states)
-        self.regions: dict[int, SharedRegion | PagelessRegion] = {}
+        # a policy of the caller's, or ARC (it sizes its lists by a fixed capacity): a static split
+        self._share = config.ram_split == "shared" and config.eviction == "lru" and eviction is None
+        self.pools = pools(slots) if pools else GroupedPools(slots, eviction or config.eviction, states,
+                                                             self._arena(self.plan))
+        self.regions: dict[int, SharedRegion | RegionView | PagelessRegion] = {}
         self.secondaries: list[SecondaryTier] = []
         self.counters: dict[str, TierCounters] = {RAM: TierCounters()}
         self._writes: list[_WriteThrough] = []
@@ -187,16 +198,27 @@ class TieredCache:
         """RAM first, then the secondary tiers in lookup order (the values of ``lookup``)."""
         return list(self.counters)
 
-    def _make_regions(self, plan: Plan) -> dict[int, SharedRegion | PagelessRegion]:
-        """The regions of ``plan``, all or none."""
+    def _arena(self, plan: Plan) -> Arena | None:
+        """The budget the groups share under ``plan``, or None: a static split (ram_split =
+        static, a policy other than LRU, or a layout or budget ``Arena.for_plan`` refuses)."""
+        return Arena.for_plan(plan, self.layout) if self._share else None
+
+    def _make_regions(self, plan: Plan) -> dict[int, SharedRegion | RegionView | PagelessRegion]:
+        """The regions of ``plan``, all or none: one per group, or one arena that each group
+        sees as rows of its own page size."""
+        arena = self._arena(plan)
+        slots = plan.slots_per_group() if arena is None else {gid: arena.view_rows(gid) for gid in arena.owned}
         if self._pageless:
-            return {gid: PagelessRegion(slots, self.layout.group(gid).page_bytes)
-                    for gid, slots in plan.slots_per_group().items()}
+            return {gid: PagelessRegion(n, self.layout.group(gid).page_bytes) for gid, n in slots.items()}
         directory = Path(self.config.ram_dir)
         if not directory.is_dir():
             raise HybridKVError(f"ram_dir {directory} does not exist; create it or choose another")
         remove_stale_regions(directory)
         tag = f"{self.layout.fingerprint()[:12]}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        if arena is not None:
+            base = SharedRegion.create(directory / f"hybridkv-{tag}-arena", arena.segments, arena.segment_bytes,
+                                       self._pin_hook, self.layout.tp_rank)
+            return {gid: base.view(self.layout.group(gid).page_bytes) for gid in slots}
         made: dict[int, SharedRegion | PagelessRegion] = {}
         try:
             for gid, slots in plan.slots_per_group().items():
@@ -243,7 +265,7 @@ class TieredCache:
         self.regions.clear()
         self.regions.update(coming.regions)
         self.plan = coming.plan
-        self.pools.resize(coming.plan.slots_per_group())
+        self.pools.resize(coming.plan.slots_per_group(), self._arena(coming.plan))
         self._spares.clear()
         return True
 
@@ -363,7 +385,7 @@ class TieredCache:
                 return None
             load.waiting[promotion] = missing
             promotion.waiters.append(load)
-        load.slots = {gid: [self.pools.pool(gid).slot_of(k) for k in keys] for gid, keys in load.wanted.items()}
+        load.slots = {gid: [self.pools.slot_of(gid, k) for k in keys] for gid, keys in load.wanted.items()}
         self.counters[RAM].hits += sum(len(k) for k in resident.values())
         return load
 
@@ -419,13 +441,24 @@ class TieredCache:
                 if tier is None:
                     return None
                 sources[(gid, key)] = tier
-        plans = self.pools.prepare_store(missing)
+        plans = self._prepare(missing)
         if plans is None and drain and self._writes:
             # Slots pinned only by write-through free up once those writes land: waiting for
             # them is bounded and far cheaper than recomputing the prefix.
             self.drain()
-            plans = self.pools.prepare_store(missing)
+            plans = self._prepare(missing)
         return None if plans is None else self.promotions.start(plans, sources)
+
+    def _prepare(self, keys: Mapping[int, Sequence[bytes]], cold: bool = False,
+                 spare: bool = False) -> dict[int, StorePlan] | None:
+        """The pools' ``prepare_store``, then the copies of the pages it moved within the arena
+        to give another kind room (idle pages: no worker reads or writes them meanwhile)."""
+        plans = self.pools.prepare_store(keys, cold, spare)
+        for gid, src, dst in self.pools.take_relocated():
+            region = self.regions[gid]
+            if not self._pageless:
+                region.array[dst] = region.array[src]
+        return plans
 
     # -- stores -----------------------------------------------------------------------------
     def prepare_store(self, keys: Mapping[int, Sequence[bytes]], cold: bool = False,
@@ -443,7 +476,7 @@ class TieredCache:
             return {}
         if not spare and self._spares:     # a page stored as spare is now asked for
             self._keep_spares(keys)
-        plans = self.pools.prepare_store(keys, cold, spare)
+        plans = self._prepare(keys, cold, spare)
         if plans is None and self._writes and not spare:
             for tier in self.secondaries:   # RAM is short: held write-through keeps slots pinned
                 tier.flush()
@@ -497,8 +530,7 @@ class TieredCache:
         whoever waits), unpin pages whose write-through finished; returns how many of those."""
         self.promotions.settle_finished()
         if self.secondaries:                          # the slots promotions read into next
-            for gid, region in self.regions.items():
-                region.map_ahead(self.pools.pool(gid).slots_used)
+            self._map_ahead()
         done, waiting = [], []
         for w in self._writes:
             (done if all(f.done() for f in w.futures) else waiting).append(w)
@@ -506,6 +538,18 @@ class TieredCache:
         for w in done:
             self.pools.complete_load({w.group: [w.key]})
         return len(done)
+
+    def _map_ahead(self) -> None:
+        """Have the slots in use and a window beyond them mapped (``SharedRegion.map_ahead``);
+        over an arena, the segments that hold them."""
+        arena = self.pools.arena
+        for gid, region in self.regions.items():
+            used = self.pools.pool(gid).slots_used
+            if arena is None or not isinstance(region, RegionView):
+                region.map_ahead(used)
+            else:
+                ahead = -(-MAP_AHEAD_BYTES // region.page_bytes)
+                region.base.map_segments(arena.segments_in_use(gid, used + ahead), arena.segment_bytes)
 
     def drain(self) -> None:
         """Wait for every promotion and write-through (clean shutdown, or before another
@@ -548,7 +592,10 @@ class TieredCache:
         tiers = {name: vars(c).copy() for name, c in self.counters.items()}
         for tier in self.secondaries:
             tiers[tier.name].update(tier.stats)
-        return {"groups": groups, "tiers": tiers, "pending_writes": len(self._writes),
+        arena = self.pools.arena
+        shared = None if arena is None else {"segments": arena.segments, "segment_bytes": arena.segment_bytes,
+                                             "moves": arena.moves, "unowned": len(arena.unowned)}
+        return {"groups": groups, "tiers": tiers, "arena": shared, "pending_writes": len(self._writes),
                 "promotions_in_flight": len(self.promotions.in_flight()),
                 "open_requests": self.pools.open_requests()}
 

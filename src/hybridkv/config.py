@@ -87,6 +87,7 @@ class CacheConfig:
     block_tokens: int = setting(64, "tokens per block (default 64)")
     ram_bytes: int = setting(256 * 1024**2, "RAM tier budget per worker, e.g. 4GiB (default 256MiB)")
     eviction: str = setting("lru", f"RAM eviction policy: {' or '.join(POLICIES)} (default lru)")
+    ram_split: str = setting("shared", "how RAM divides between attention pages and states: shared (default: one arena whose segments move to the kind whose least recently used page is younger; lru only) or static (as planned for reference_tokens)")
     insertion: str = setting("adaptive", "where new pages enter RAM's eviction order: adaptive (default: learned from the traffic), warm (always recent, plain LRU) or cold (a request that found under half its prompt cached stores at the evicted-first end)")
     retention: int | str | None = setting(AUTO, "recurrent states kept besides each prompt's own and the junctions: auto (default: one every ~16K tokens), 0 (none), every N tokens, or dense (one at every block)")
     spare_states: bool = setting(True, "also keep states the retention does not ask for while RAM has free state slots: cold, never evicting a page, in RAM only until a hit uses one (default true)")
@@ -114,6 +115,8 @@ class CacheConfig:
         if self.eviction not in POLICIES:
             raise HybridKVError(f"eviction {self.eviction!r} is unknown; use one of {', '.join(POLICIES)}")
         check_mode(self.insertion)
+        if self.ram_split not in ("shared", "static"):
+            raise HybridKVError(f"ram_split {self.ram_split!r} is unknown; use shared (the default) or static")
         if self.retention not in (None, AUTO) and self.retention % self.block_tokens:
             raise HybridKVError(
                 f"retention {self.retention} is not a multiple of block_tokens {self.block_tokens}; "

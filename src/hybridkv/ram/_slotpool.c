@@ -823,6 +823,26 @@ static PyObject *Pool_oldest(Pool *p, PyObject *Py_UNUSED(ignored)) {
     return PyLong_FromUnsignedLongLong(p->e[p->head[T1]].stamp);
 }
 
+static PyObject *Pool_older_than(Pool *p, PyObject *const *args, Py_ssize_t nargs) {
+    unsigned long long stamp;
+    Py_ssize_t limit, n = 0;
+    if (!_PyArg_CheckPositional("older_than", nargs, 2, 2))
+        return NULL;
+    stamp = PyLong_AsUnsignedLongLong(args[0]);
+    if (stamp == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    limit = PyLong_AsSsize_t(args[1]);
+    if (limit == -1 && PyErr_Occurred())
+        return NULL;
+    if (p->policy != POLICY_LRU) {
+        PyErr_SetString(PyExc_NotImplementedError, "recency stamps are kept under LRU only");
+        return NULL;
+    }
+    for (int32_t id = p->head[T1]; id != EMPTY && n < limit && p->e[id].stamp < stamp; id = p->e[id].next)
+        n++;
+    return PyLong_FromSsize_t(n);
+}
+
 static PyObject *Pool_evict_lru(Pool *p, PyObject *arg) {
     Py_ssize_t n = PyLong_AsSsize_t(arg);
     if (n == -1 && PyErr_Occurred())
@@ -1024,6 +1044,8 @@ static PyMethodDef Pool_methods[] = {
     {"resident_keys", (PyCFunction)Pool_resident_keys, METH_NOARGS, NULL},
     {"free_count", (PyCFunction)Pool_free_count, METH_NOARGS, NULL},
     {"oldest", (PyCFunction)Pool_oldest, METH_NOARGS, "recency stamp of the page eviction takes next, or None"},
+    {"older_than", (PyCFunction)(void (*)(void))Pool_older_than, METH_FASTCALL,
+     "how many of the pages eviction takes first have a stamp below the given one (up to a limit)"},
     {"evict_lru", (PyCFunction)Pool_evict_lru, METH_O, "evict the n pages eviction takes first, or None"},
     {"set_capacity", (PyCFunction)Pool_set_capacity, METH_O,
      "grow, or shrink moving the pages past the end: [(key, from, to)], or None"},

@@ -50,6 +50,10 @@ class EvictionPolicy:
         """The recency stamp of the key eviction takes next, None where none is evictable."""
         raise NotImplementedError
 
+    def older_than(self, stamp: int, limit: int) -> int:
+        """How many of the keys eviction takes first have a stamp below ``stamp`` (at most ``limit``)."""
+        raise NotImplementedError
+
     def is_evictable(self, key: Hashable) -> bool:
         raise NotImplementedError
 
@@ -98,6 +102,14 @@ class LRUPolicy(EvictionPolicy):
         for stamp in self._order.values():
             return stamp
         return None
+
+    def older_than(self, stamp, limit):
+        n = 0
+        for seen in self._order.values():
+            if n >= limit or seen >= stamp:
+                break
+            n += 1
+        return n
 
     def evict(self, n, protected):
         if n == 1:  # the common case: one victim, stop at the first unprotected key

@@ -281,6 +281,12 @@ class SlotPool(PoolReports):
         0: stored cold), None where no page is evictable."""
         return self.policy.oldest()
 
+    def older_than(self, stamp: int, limit: int) -> int:
+        """How many of the pages eviction takes first became most recent before ``stamp``
+        (counted up to ``limit``): what one LRU order over this pool and another would evict
+        here before that pool's oldest page."""
+        return self.policy.older_than(stamp, limit)
+
     def evict_lru(self, n: int) -> list | None:
         """Evict the ``n`` pages eviction takes first, now; None (nothing changed) where fewer
         are evictable."""

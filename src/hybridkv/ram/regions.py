@@ -212,6 +212,7 @@ class SharedRegion:
         self._unpin: Callable[[], None] | None = None
         self._pinned = False               # a pin hook ran: every page is mapped
         self._map_target = 0               # bytes asked to be mapped ahead so far
+        self._segments: dict[int, _Segment] = {}    # an arena's segments asked to be mapped
         if owner:
             self.take_ownership()
 
@@ -307,6 +308,20 @@ class SharedRegion:
             self._map_target = min(self.nbytes, needed + ahead)
             POPULATOR.map_to(self, self._map_target)
 
+    def view(self, page_bytes: int) -> RegionView:
+        """The same bytes as rows of ``page_bytes`` (an arena's view for one group)."""
+        return RegionView(self, page_bytes)
+
+    def map_segments(self, segments: list[int], segment_bytes: int) -> None:
+        """Have these segments of an arena mapped in the background (see ``map_ahead``)."""
+        if self._pinned or self._map is None:
+            return
+        known = self._segments
+        for index in segments:
+            if index not in known:
+                known[index] = _Segment(self, index, segment_bytes)
+                POPULATOR.map_to(known[index], segment_bytes)
+
     def run_pin_hook(self, hook: PinHook, rank: int = 0) -> None:
         """Run e.g. CUDA host registration under an exclusive flock; failure is fatal."""
         lock_fd = os.open(self.path, os.O_RDONLY)
@@ -339,6 +354,9 @@ class SharedRegion:
         if self._map is None:
             return
         POPULATOR.remove(self)
+        for segment in self._segments.values():
+            POPULATOR.remove(segment)
+        self._segments.clear()
         if self._unpin is not None:
             self._unpin()
             self._unpin = None
@@ -349,6 +367,40 @@ class SharedRegion:
         os.close(self._fd)
         if self._unlinker is not None:
             self._unlinker()          # unlinks once; a no-op if it already ran
+
+
+class _Segment:
+    """A stretch of an arena the populator maps as if it were a region of its own."""
+
+    def __init__(self, arena: SharedRegion, index: int, segment_bytes: int):
+        self.path, self.nbytes = arena.path, segment_bytes
+        self.array = arena.array.reshape(-1)[index * segment_bytes:(index + 1) * segment_bytes]
+
+
+class RegionView:
+    """One group's view of a shared arena: the arena's bytes as rows of the group's page size.
+    It shares the arena's mapping (and its pinning); closing it closes the arena, which every
+    group's view does at the same time (a cache closing, a re-plan, a worker re-attaching)."""
+
+    def __init__(self, base: SharedRegion, page_bytes: int):
+        self.base, self.path, self.page_bytes = base, base.path, page_bytes
+        self.slots = base.nbytes // page_bytes
+        self.array = base.array.reshape(-1)[: self.slots * page_bytes].reshape(self.slots, page_bytes)
+
+    @property
+    def nbytes(self) -> int:
+        return self.slots * self.page_bytes
+
+    page = SharedRegion.page
+    pages = SharedRegion.pages
+    write = SharedRegion.write
+
+    def map_ahead(self, slots_used: int) -> None:
+        """Nothing here: the cache maps an arena's segments in use (``map_segments``)."""
+
+    def close(self) -> None:
+        self.array = None
+        self.base.close()
 
 
 class PagelessRegion:

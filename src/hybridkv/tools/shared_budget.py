@@ -73,7 +73,7 @@ class SharedBudgetPools(GroupedPools):
         self.order: OrderedDict[tuple[int, Hashable], None] = OrderedDict()
         super().__init__(slots_per_group, state_groups=state_groups)
 
-    def resize(self, slots_per_group: Mapping[int, int]) -> None:
+    def resize(self, slots_per_group: Mapping[int, int], arena=None) -> None:
         """New, empty pools for these groups; their sizes come from the budget, not the plan."""
         if not self.idle():
             raise ValueError("pools cannot be resized while a slot is pinned or being written")

@@ -63,7 +63,8 @@ class Policy:
     prompt's own state sits (0: its replay boundary, None: learned from the traffic);
     ``insertion``: where new pages enter the eviction order (warm: plain LRU, cold, or
     adaptive: learned from the traffic); ``spare``: also store the states it does not keep
-    while RAM has free state slots (cold, evicting nothing)."""
+    while RAM has free state slots (cold, evicting nothing); ``ram_split``: shared (attention
+    pages and states draw on one arena) or static (as planned for the reference prompt)."""
 
     name: str
     retention: int | str | None = 0
@@ -75,6 +76,7 @@ class Policy:
     align: int | None = 0
     insertion: str = "warm"
     spare: bool = False
+    ram_split: str = "shared"
 
     def interval(self, block_tokens: int) -> int | None:
         return resolve_interval(self.retention, block_tokens)
@@ -121,7 +123,7 @@ def settings(pol: Policy) -> dict | None:
         return None
     return {"retention": "dense" if pol.retention is None else pol.retention, "tail_states": pol.tail,
             "state_align": "auto" if pol.align is None else pol.align, "eviction": pol.eviction,
-            "insertion": pol.insertion, "spare_states": pol.spare}
+            "insertion": pol.insertion, "spare_states": pol.spare, "ram_split": pol.ram_split}
 
 
 def attention_only(layout: Layout) -> Layout:
@@ -211,7 +213,7 @@ def replay(layout: Layout, requests: Sequence[np.ndarray] | Iterable[np.ndarray]
     config = CacheConfig(block_tokens=B, ram_bytes=budget_bytes, eviction="lru" if pol.eviction == "flop"
                          else pol.eviction, retention=pol.retention, tail_states=pol.tail, state_align=pol.align,
                          reference_tokens=reference_tokens, insertion=pol.insertion,
-                         spare_states=pol.spare)
+                         spare_states=pol.spare, ram_split=pol.ram_split)
     flop_aware = pol.eviction == "flop"
     block_cost, state_cost = {}, {}      # key -> recompute FLOPs its page saves, per byte
     if shared_budget and pol.eviction != "lru":

@@ -107,12 +107,17 @@ class WorkerSide:
         if any(gid in self.regions for gid in missing):     # the cache re-planned RAM: new regions
             self.copier.synchronize()
         for gid in missing:
-            info = plan.regions[gid]
             if gid in self.regions:
                 self.copier.forget(gid)
                 self.regions.pop(gid).close()
-            self.regions[gid] = SharedRegion.attach(info.path, info.slots, info.page_bytes,
-                                                    self.copier.pin_hook, self.rank)
+        mapped: dict[str, SharedRegion] = {}     # an arena: mapped (and pinned) once, a view per group
+        for gid in missing:
+            info = plan.regions[gid]
+            if info.path in mapped:
+                self.regions[gid] = mapped[info.path].view(info.page_bytes)
+            else:
+                base = SharedRegion.attach(info.path, info.slots, info.page_bytes, self.copier.pin_hook, self.rank)
+                self.regions[gid] = mapped[info.path] = base
         if missing:
             self.report.mapped = True       # the scheduler may now plan loads within a step
 
