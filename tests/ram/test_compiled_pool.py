@@ -130,6 +130,15 @@ class SameAnswers(RuleBasedStateMachine):
         if self.policy == "lru":
             self.pools.call("oldest")
 
+    @rule(limit=st.integers(0, 8))
+    def older_than(self, limit):
+        """Each pool counts on its own clock: none below its oldest stamp, all below any to come."""
+        if self.policy == "lru":
+            for pool in (self.pools.python, self.pools.compiled):
+                if pool.oldest() is not None:
+                    assert pool.older_than(pool.oldest(), limit) == 0
+            self.pools.call("older_than", 1 << 63, limit)
+
     @invariant()
     def agree(self):
         self.pools.check(range(KEYS))

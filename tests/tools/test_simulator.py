@@ -223,8 +223,9 @@ def test_compare_runs_every_policy_under_the_unlimited_ceiling(tmp_path):
     assert [changed_settings(name) for name in out["best"]] == out["best_settings"]
     assert "| best policy (settings beyond the defaults) | " in table(out)
     assert len(out["ceiling_at_recommended_attention_bytes"]) == 3
-    assert all(0 <= r <= out["ceiling_unlimited"] for r in out["recommended_shared_budget"])
-    assert "over one shared budget, one LRU order" in table(out)
+    for field in ("recommended_shared_budget", "recommended_static_split"):
+        assert len(out[field]) == 3 and all(0 <= r <= out["ceiling_unlimited"] for r in out[field])
+    assert "over one budget in one LRU order" in table(out) and "`ram_split = static`" in table(out)
     # a cache not told the prompt length plans for the model's maximum (1M here), then learns
     assert out["default_reference_tokens"] == 1 << 20
     assert len(out["recommended_at_default_reference"]) == 3

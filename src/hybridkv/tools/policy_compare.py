@@ -6,9 +6,10 @@ learned insertion, and keeps the better: no state policy can do better at that b
 unlimited ceiling is what the trace's repeated prefixes allow at all. Marconi's weight between recency and FLOPs saved is tuned per budget on the first part
 of the trace, as its paper bootstraps it. The recommended policy also runs as a cache with
 no ``reference_tokens`` plans RAM (for prompts of the model's maximum length, until it has
-learned the traffic's): what the setting is worth on this trace; and over one budget that
-attention pages and states share in one LRU order (``SharedBudgetPools``): what RAM's static
-split between them costs on this trace.
+learned the traffic's): what the setting is worth on this trace; with RAM split statically
+between attention pages and states (``ram_split = static``): what the shared arena gains; and
+over one budget in one LRU order without segments (``SharedBudgetPools``): what the arena's
+segments cost.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class Comparison:
     at_default_reference: list[SimResult]   # the recommended policy without reference_tokens
     default_reference: int                  # what RAM is planned for then, until it is learned
     shared_budget: list[SimResult]          # the recommended policy over one budget, one LRU order
+    static_split: list[SimResult]           # the recommended policy with ram_split = static
     recommended: str = RECOMMENDED
 
     @property
@@ -80,6 +82,7 @@ class Comparison:
             "recommended_at_default_reference": [r.token_hit_rate for r in self.at_default_reference],
             "learned_reference_tokens": [r.reference_tokens for r in self.at_default_reference],
             "recommended_shared_budget": [r.token_hit_rate for r in self.shared_budget],
+            "recommended_static_split": [r.token_hit_rate for r in self.static_split],
             "requests": self.ceiling[0].requests, "prompt_tokens": self.ceiling[0].prompt_tokens,
         }
 
@@ -123,8 +126,10 @@ def compare(layout: Layout, prompts: Sequence[np.ndarray], budgets: Sequence[int
     runs += [(f"ceiling {i}", pol, b, reference_tokens, False) for i, pol in enumerate(kv_only) for b in budgets]
     runs += [("unset", RECOMMENDED, b, None, False) for b in budgets]
     runs += [("shared", RECOMMENDED, b, reference_tokens, True) for b in budgets]
+    static = dataclasses.replace(rec, ram_split="static")
+    runs += [("static", static, b, reference_tokens, False) for b in budgets]
     runs += [(f"share {i}", pol, b, reference_tokens, False) for i, pol in enumerate(kv_only) for b in shares]
-    rows = [*names, "ceiling 0", "ceiling 1", "share 0", "share 1", "unset", "shared"]
+    rows = [*names, "ceiling 0", "ceiling 1", "share 0", "share 1", "unset", "shared", "static"]
     results: dict[str, list[SimResult]] = {name: [] for name in rows}
     for row, pol, budget, reference, shared in tqdm(runs, desc=workload or "compare", unit="run",
                                                     disable=not progress):
@@ -137,7 +142,7 @@ def compare(layout: Layout, prompts: Sequence[np.ndarray], budgets: Sequence[int
     ceiling, share = (_better(results.pop(f"{row} 0"), results.pop(f"{row} 1")) for row in ("ceiling", "share"))
     return Comparison(workload, list(budgets), results, ceiling, share,
                       [s / b for s, b in zip(shares, budgets, strict=True)], results.pop("unset"),
-                      default_reference_tokens(layout), results.pop("shared"))
+                      default_reference_tokens(layout), results.pop("shared"), results.pop("static"))
 
 
 def _better(plain: list[SimResult], learned: list[SimResult]) -> list[SimResult]:
@@ -171,11 +176,13 @@ def table(c: dict) -> str:
         f"{r / top:.2f}x" if top else "-" for r, top in zip(rec, ceiling, strict=True)) + " | | |")
     lines.append(f"| {c['recommended']} / ceiling at its KV bytes | " + " | ".join(
         f"{r / top:.2f}x" if top else "-" for r, top in zip(rec, share, strict=True)) + " | | |")
-    if "recommended_shared_budget" in c:
-        lines.append(f"| {c['recommended']} over one shared budget, one LRU order (no split: the bound of moving "
-                     "RAM between KV and states) | " + " | ".join(
-                         f"{r:.1%} ({r / top:.2f}x)" if top else f"{r:.1%}"
-                         for r, top in zip(c["recommended_shared_budget"], ceiling, strict=True)) + " | | |")
+    for field, label in (("recommended_static_split", "with RAM split statically (`ram_split = static`)"),
+                         ("recommended_shared_budget", "over one budget in one LRU order, no segments (the "
+                          "bound of any rule moving RAM between KV and states)")):
+        if field in c:
+            lines.append(f"| {c['recommended']} {label} | " + " | ".join(
+                f"{r:.1%} ({r / top:.2f}x)" if top else f"{r:.1%}"
+                for r, top in zip(c[field], ceiling, strict=True)) + " | | |")
     if "best_settings" in c:
         lines.append("| best policy (settings beyond the defaults) | " + " | ".join(
             _how_to_run(name, changed) for name, changed in zip(c["best"], c["best_settings"], strict=True))
