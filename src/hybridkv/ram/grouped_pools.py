@@ -9,10 +9,11 @@ evicts that page from RAM, the state can no longer give a RAM hit, so it is demo
 evicted-first end (a hit that uses it again makes it an ordinary page).
 
 Over an ``Arena`` the pools share one budget: before a store evicts, its kind takes a unit of
-segments from the other kind while the other kind's least recently used page is older than
-its own. The giving pools evict their oldest pages until the unit's slots are free, and move
-the pages still in those segments into free slots lower down (``relocated``: the owner of
-the bytes copies them). Slots leaving the pools are then arena rows (``Arena.to_rows``).
+segments from the other kind where that kind's free slots and the pages one LRU order would
+evict before any of this kind's cover the unit and ``MOVE_MARGIN`` units more. The giving
+pools evict their oldest pages until the unit's slots are free, and move the pages still in
+those segments into free slots lower down (``relocated``: the owner of the bytes copies
+them). Slots leaving the pools are then arena rows (``Arena.to_rows``).
 """
 
 from __future__ import annotations
@@ -172,12 +173,14 @@ class GroupedPools:
             return False
         mine = [self.pools[gid].oldest() for gid in arena.kinds[kind]]
         before = min((m for m in mine if m is not None), default=NEWEST)
-        shorts = {gid: give * arena.rows[gid] - self.pools[gid].free_count() for gid in donors}
-        # one LRU order would evict every page the unit must lose before any of this kind's,
-        # and MOVE_MARGIN units more: moves follow lasting shifts, not one request's
-        wants = {gid: max(0, n) + MOVE_MARGIN * give * arena.rows[gid] for gid, n in shorts.items()}
-        if any(self.pools[gid].older_than(before, n) < n for gid, n in wants.items()):
+        free = {gid: self.pools[gid].free_count() for gid in donors}
+        # one LRU order would fill the unit's room, and MOVE_MARGIN units more, from the other
+        # kind's free slots and from pages it evicts before any of this kind's: moves follow
+        # lasting shifts of the traffic, not one request's
+        wants = {gid: (1 + MOVE_MARGIN) * give * arena.rows[gid] - free[gid] for gid in donors}
+        if any(n > 0 and self.pools[gid].older_than(before, n) < n for gid, n in wants.items()):
             return False
+        shorts = {gid: give * arena.rows[gid] - free[gid] for gid in donors}
         shrunk = []
         for gid in donors:
             pool = self.pools[gid]
