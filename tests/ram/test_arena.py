@@ -98,3 +98,43 @@ def test_a_static_split_keeps_the_plan(tmp_path):
         assert cache.pools.pool(0).capacity == cache.plan.token_slots
     with pytest.raises(HybridKVError, match="ram_split 'half' is unknown; use shared"):
         CacheConfig(ram_split="half")
+
+
+def test_random_traffic_keeps_every_page_intact_across_moves(tmp_path):
+    """Stores of both kinds in shifting proportions, hits, pins held across stores: segments
+    change hands many times, and every resident page still reads back its own bytes from a
+    row no other page of its group holds."""
+    import random
+
+    rng = random.Random(3)
+    with cache_of(tmp_path, segments=20) as cache:
+        held = []
+        for step in range(1500):
+            states_share = 0.8 if (step // 300) % 2 else 0.2        # the traffic's mix shifts
+            gid = 1 if rng.random() < states_share else 0
+            i = rng.randrange(400)
+            if rng.random() < 0.3 and key(i) in cache.pools.pool(gid):
+                load, _ = load_now(cache, {gid: [key(i)]})
+                cache.touch({gid: [key(i)]})
+                held.append(load)
+            else:
+                store_pages(cache, {gid: [(key(i), page(gid, i))]})
+            if held and rng.random() < 0.4:
+                cache.release(held.pop(0))
+        for load in held:
+            cache.release(load)
+        assert cache.stats()["arena"]["moves"] >= 10
+        spans = []                                                # bytes of the arena each page holds
+        for gid in (0, 1):
+            size = LAYOUT.group(gid).page_bytes
+            spans += [(cache.pools.slot_of(gid, k) * size, size) for k in cache.pools.pool(gid).resident_keys()]
+        spans.sort()
+        assert all(start + size <= following for (start, size), (following, _) in zip(spans, spans[1:]))
+        for gid in (0, 1):
+            pool = cache.pools.pool(gid)
+            rows = [cache.pools.slot_of(gid, k) for k in pool.resident_keys()]
+            assert len(set(rows)) == len(rows) and all(r < cache.regions[gid].slots for r in rows)
+            for k in pool.resident_keys():
+                load, views = load_now(cache, {gid: [k]})
+                assert np.array_equal(views[gid][0], page(gid, int.from_bytes(k, "big")))
+                cache.release(load)
