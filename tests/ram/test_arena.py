@@ -129,7 +129,7 @@ def test_random_traffic_keeps_every_page_intact_across_moves(tmp_path):
             size = LAYOUT.group(gid).page_bytes
             spans += [(cache.pools.slot_of(gid, k) * size, size) for k in cache.pools.pool(gid).resident_keys()]
         spans.sort()
-        assert all(start + size <= following for (start, size), (following, _) in zip(spans, spans[1:]))
+        assert all(start + size <= following for (start, size), (following, _) in zip(spans, spans[1:], strict=False))
         for gid in (0, 1):
             pool = cache.pools.pool(gid)
             rows = [cache.pools.slot_of(gid, k) for k in pool.resident_keys()]
