@@ -18,7 +18,7 @@ SEGMENT = 16384                  # lcm of the layout's pages: 4 attention pages 
 KV_ROWS = SEGMENT // LAYOUT.group(0).page_bytes
 
 
-def cache_of(tmp_path, segments=24, **settings):
+def cache_of(tmp_path, segments=96, **settings):
     config = CacheConfig(block_tokens=16, ram_bytes=segments * SEGMENT, ram_dir=str(tmp_path),
                          reference_tokens=64, tail_states=0, **settings)
     return TieredCache(LAYOUT, config)
@@ -29,13 +29,13 @@ def fill(cache, gid, keys):
 
 
 def test_the_arena_starts_from_the_planned_split_in_whole_segments():
-    plan = plan_pools(LAYOUT, 24 * SEGMENT, 0, 64)
+    plan = plan_pools(LAYOUT, 96 * SEGMENT, 0, 64)
     arena = Arena.for_plan(plan, LAYOUT)
-    assert arena.segments == 24 and arena.segment_bytes == SEGMENT
+    assert arena.segments == 96 and arena.segment_bytes == SEGMENT
     assert arena.capacity(0) <= plan.token_slots and arena.capacity(1) <= plan.groups[1].slots
     assert arena.unit("state") == (1, 1) and arena.unit("token") == (1, 1)
     owned = sorted(s for segs in arena.owned.values() for s in segs) + arena.unowned
-    assert sorted(owned) == list(range(24))
+    assert sorted(owned) == list(range(96))
     assert Arena.for_plan(plan_pools(LAYOUT, (MIN_SEGMENTS - 1) * SEGMENT, 0, 64), LAYOUT) is None
 
 
@@ -107,7 +107,7 @@ def test_random_traffic_keeps_every_page_intact_across_moves(tmp_path):
     import random
 
     rng = random.Random(3)
-    with cache_of(tmp_path, segments=20) as cache:
+    with cache_of(tmp_path, segments=MIN_SEGMENTS) as cache:
         held = []
         for step in range(1500):
             states_share = 0.8 if (step // 300) % 2 else 0.2        # the traffic's mix shifts

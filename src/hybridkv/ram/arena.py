@@ -22,7 +22,10 @@ from collections.abc import Sequence
 from hybridkv.core.layout import GroupKind, Layout
 from hybridkv.core.planner import Plan
 
-MIN_SEGMENTS = 16       # fewer and one move is too coarse to follow the traffic: split statically
+# Fewer segments and a move is too coarse to follow the traffic: the split stays static. On
+# Qwen3-Next a move is 3 segments (594 MiB); with 41 of them (8 GiB) chat users taking turns
+# fell 68.9 -> 66.0% and agents 86.2 -> 83.2% against the static split.
+MIN_SEGMENTS = 64
 MAX_SEGMENTS = 1 << 16  # more and segments grow (a multiple of the least one): the tables stay small
 
 
