@@ -144,6 +144,10 @@ class GroupedPools:
                 self.evicted(gid, plan.evicted)
             if self.arena is not None:
                 plan.slots = self.arena.to_rows(gid, plan.slots)
+        return self.marked(plans, cold, spare)
+
+    def marked(self, plans: dict[int, StorePlan], cold: bool, spare: bool) -> dict[int, StorePlan]:
+        """``plans`` with the pages of a cold or spare store put where eviction takes first."""
         if cold or spare:
             for gid, plan in plans.items():
                 plan.spare = spare

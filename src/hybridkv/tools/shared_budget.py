@@ -1,13 +1,11 @@
-"""What RAM's static split costs: pools that share one byte budget and one LRU order.
+"""The bound of any rule that moves RAM between attention pages and states.
 
-The cache splits RAM between attention pages and recurrent states when it starts (the
-planner sizes each group's pool for the prompt length it was given), because a region is
-mapped, and on a GPU pinned, whole. The right split depends on the traffic: replaying
-traces, one kind's pool evicted pages it needed while the other's had room to spare.
-``SharedBudgetPools`` is the upper bound of any rule that moves that room at run time: every
-group draws on one budget, pages leave in one least-recently-used order whatever their kind,
-and no byte is lost to fragmentation. It keeps keys only, so it serves the simulator's
-pageless cache, where ``replay(..., shared_budget=True)`` measures it beside the static split.
+The cache's arena moves whole segments between the two kinds, a unit at a time, and only
+once the other kind holds enough pages one LRU order would evict first (``GroupedPools``).
+``SharedBudgetPools`` is what that approximates: every group draws on one byte budget, pages
+leave in one least-recently-used order whatever their kind, and no byte is lost to segments.
+It keeps keys only (no region could be laid out that way), so it serves the simulator's
+pageless cache, where ``replay(..., shared_budget=True)`` measures it beside the arena.
 """
 
 from __future__ import annotations
@@ -73,8 +71,9 @@ class SharedBudgetPools(GroupedPools):
         self.order: OrderedDict[tuple[int, Hashable], None] = OrderedDict()
         super().__init__(slots_per_group, state_groups=state_groups)
 
-    def resize(self, slots_per_group: Mapping[int, int], arena=None) -> None:
-        """New, empty pools for these groups; their sizes come from the budget, not the plan."""
+    def resize(self, slots_per_group: Mapping[int, int], arena: object = None) -> None:
+        """New, empty pools for these groups; their sizes come from the budget, not the plan
+        (nor an arena)."""
         if not self.idle():
             raise ValueError("pools cannot be resized while a slot is pinned or being written")
         self.order.clear()
@@ -102,13 +101,7 @@ class SharedBudgetPools(GroupedPools):
             for gid, key in victims:
                 self.pools[gid].evict_key(key)
                 self.evicted(gid, [key])
-        plans = {gid: self.pools[gid].prepare_store(ks, news[gid]) for gid, ks in keys.items()}
-        if cold or spare:
-            for gid, plan in plans.items():
-                plan.spare = spare
-                if plan.keys:
-                    self.pools[gid].mark_cold(plan.keys)
-        return plans
+        return self.marked({gid: self.pools[gid].prepare_store(ks, news[gid]) for gid, ks in keys.items()}, cold, spare)
 
     def _victims(self, need: int, protected: set) -> list[tuple[int, Hashable]] | None:
         """The least recently used evictable pages whose bytes cover ``need``, or None."""

@@ -205,8 +205,8 @@ def replay(layout: Layout, requests: Sequence[np.ndarray] | Iterable[np.ndarray]
     ``TieredCache`` planned from ``budget_bytes``, offering what an engine offers at each block
     end, and check every hit against ``PrefixTruth``. ``reference_tokens=None`` plans RAM as a
     cache not told the prompt length does (for the model's longest, then learned);
-    ``shared_budget``: every group draws on one budget in one LRU order instead of the plan's
-    split (``SharedBudgetPools``, the bound of a split that follows the traffic)."""
+    ``shared_budget``: every group draws on one budget in one LRU order, with no segments
+    (``SharedBudgetPools``, the bound of the arena ``pol.ram_split`` shares)."""
     if not pol.states:
         layout = attention_only(layout)
     B = layout.block_tokens
