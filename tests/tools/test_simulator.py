@@ -92,7 +92,7 @@ def test_sparse_retention_beats_dense_when_states_are_large():
     assert semantic.token_hit_rate > 2 * dense.token_hit_rate
 
 
-@pytest.mark.parametrize("workload, kib, split", [("multi_turn_chat", 300, "shared"), ("agentic", 600, "static")])
+@pytest.mark.parametrize("workload, kib, split", [("multi_turn_chat", 360, "shared"), ("agentic", 600, "static")])
 def test_adaptive_insertion_serves_sessions_that_cycle_past_ram(workload, kib, split):
     """Sessions taking turns in a cycle longer than RAM holds: LRU evicts each one just before
     it returns; the adaptive insertion learns to store cold and keeps part of the cycle whole.
