@@ -138,3 +138,25 @@ def test_random_traffic_keeps_every_page_intact_across_moves(tmp_path):
                 load, views = load_now(cache, {gid: [k]})
                 assert np.array_equal(views[gid][0], page(gid, int.from_bytes(k, "big")))
                 cache.release(load)
+
+
+def test_the_segments_in_use_are_mapped_and_no_others(tmp_path):
+    """Each segment a pool uses is mapped in the background (small pages make thousands of
+    segments: runs of adjacent ones go as one job), and none beyond."""
+    import time
+
+    from hybridkv.ram.regions import SharedRegion
+
+    from helpers.smaps import mapped_bytes
+
+    path = tmp_path / "hybridkv-arena"
+    arena = SharedRegion.create(path, 64, SEGMENT)
+    try:
+        arena.map_segments(list(range(10)), SEGMENT)
+        arena.map_segments([*range(12), 20, 21, 40], SEGMENT)
+        deadline = time.monotonic() + 60
+        while mapped_bytes(path) < 15 * SEGMENT and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert mapped_bytes(path) == 15 * SEGMENT
+    finally:
+        arena.close()

@@ -895,6 +895,10 @@ static PyObject *Pool_set_capacity(Pool *p, PyObject *arg) {
         PyErr_Format(PyExc_ValueError, "group %R: a pool needs at least one slot", p->group_id);
         return NULL;
     }
+    if (p->fresh <= cap) {          /* no slot past the end was ever handed out */
+        p->capacity = cap;
+        return PyList_New(0);
+    }
     Py_ssize_t n_above = 0, n_below = 0;
     for (int32_t i = 0; i < p->n_entries; i++) {
         const Entry *en = &p->e[i];

@@ -297,11 +297,15 @@ class SlotPool(PoolReports):
 
     def set_capacity(self, capacity: int) -> list[tuple[object, int, int]] | None:
         """Grow, or shrink: the pages in slots at or past ``capacity`` move to the lowest free
-        slots below it. Returns those moves as (key, from, to), lowest ``from`` first, for the
-        caller to copy the bytes; None (nothing changed) where one of them is pinned or being
-        written, or too few slots below are free."""
+        slots below it (the free slots below are then in ascending order; untouched where no
+        slot past the end was ever handed out). Returns those moves as (key, from, to), lowest
+        ``from`` first, for the caller to copy the bytes; None (nothing changed) where one of
+        them is pinned or being written, or too few slots below are free."""
         if capacity <= 0:
             raise ValueError(f"group {self.group_id}: a pool needs at least one slot")
+        if self.slots_used <= capacity:      # no slot past the end was ever handed out
+            self.capacity = capacity
+            return []
         above = sorted((e.slot, k) for k, e in self._entries.items() if e.slot >= capacity)
         below = sorted(s for s in self._free if s < capacity)
         if any(self._entries[k].refs != 0 for _, k in above) or len(above) > len(below):

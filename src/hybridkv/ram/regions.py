@@ -212,7 +212,8 @@ class SharedRegion:
         self._unpin: Callable[[], None] | None = None
         self._pinned = False               # a pin hook ran: every page is mapped
         self._map_target = 0               # bytes asked to be mapped ahead so far
-        self._segments: dict[int, _Segment] = {}    # an arena's segments asked to be mapped
+        self._segments: set[int] = set()             # an arena's segments asked to be mapped
+        self._stretches: list[_Stretch] = []          # ...in runs of adjacent ones
         if owner:
             self.take_ownership()
 
@@ -313,14 +314,21 @@ class SharedRegion:
         return RegionView(self, page_bytes)
 
     def map_segments(self, segments: list[int], segment_bytes: int) -> None:
-        """Have these segments of an arena mapped in the background (see ``map_ahead``)."""
+        """Have these segments of an arena mapped in the background (see ``map_ahead``), each
+        run of adjacent new ones as one job: small pages make thousands of segments."""
         if self._pinned or self._map is None:
             return
-        known = self._segments
-        for index in segments:
-            if index not in known:
-                known[index] = _Segment(self, index, segment_bytes)
-                POPULATOR.map_to(known[index], segment_bytes)
+        runs: list[list[int]] = []            # [first, last] of each run of new segments
+        for index in sorted(set(segments) - self._segments):
+            if runs and index == runs[-1][1] + 1:
+                runs[-1][1] = index
+            else:
+                runs.append([index, index])
+            self._segments.add(index)
+        for first, last in runs:
+            stretch = _Stretch(self, first * segment_bytes, (last + 1 - first) * segment_bytes)
+            self._stretches.append(stretch)
+            POPULATOR.map_to(stretch, stretch.nbytes)
 
     def run_pin_hook(self, hook: PinHook, rank: int = 0) -> None:
         """Run e.g. CUDA host registration under an exclusive flock; failure is fatal."""
@@ -354,8 +362,9 @@ class SharedRegion:
         if self._map is None:
             return
         POPULATOR.remove(self)
-        for segment in self._segments.values():
-            POPULATOR.remove(segment)
+        for stretch in self._stretches:
+            POPULATOR.remove(stretch)
+        self._stretches.clear()
         self._segments.clear()
         if self._unpin is not None:
             self._unpin()
@@ -369,12 +378,12 @@ class SharedRegion:
             self._unlinker()          # unlinks once; a no-op if it already ran
 
 
-class _Segment:
-    """A stretch of an arena the populator maps as if it were a region of its own."""
+class _Stretch:
+    """Adjacent segments of an arena the populator maps as if they were a region of their own."""
 
-    def __init__(self, arena: SharedRegion, index: int, segment_bytes: int):
-        self.path, self.nbytes = arena.path, segment_bytes
-        self.array = arena.array.reshape(-1)[index * segment_bytes:(index + 1) * segment_bytes]
+    def __init__(self, arena: SharedRegion, start: int, nbytes: int):
+        self.path, self.nbytes = arena.path, nbytes
+        self.array = arena.array.reshape(-1)[start:start + nbytes]
 
 
 class RegionView:
