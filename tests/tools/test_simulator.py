@@ -264,6 +264,10 @@ def test_simulate_cli_replays_the_default_unless_told_otherwise(tmp_path):
     assert warm.returncode == 0 and json.loads(warm.stdout)[0]["policy"] == "custom"
     no_spares = cli(*args, "--no-spare-states")
     assert no_spares.returncode == 0 and json.loads(no_spares.stdout)[0]["policy"] == "custom"
+    # branching agents at 32 GiB: the static split gives states too little room
+    shared, static = (json.loads(cli("simulate", "--workload", "agent_branches", "--ram-bytes", "32GiB", "--json",
+                                     *extra).stdout)[0] for extra in ((), ("--ram-split", "static")))
+    assert static["policy"] == "custom" and shared["token_hit_rate"] > static["token_hit_rate"] + 0.03
 
 
 def test_simulate_cli_misuse(tmp_path):
@@ -271,6 +275,8 @@ def test_simulate_cli_misuse(tmp_path):
     assert_one_line_error(cli("simulate", "--workload", "agentic", "--policy", "dense", "--retention", "0"),
                           "leave them out with --policy or --compare")
     assert_one_line_error(cli("simulate", "--workload", "agentic", "--compare", "--insertion", "warm"),
+                          "leave them out with --policy or --compare")
+    assert_one_line_error(cli("simulate", "--workload", "agentic", "--policy", "dense", "--ram-split", "static"),
                           "leave them out with --policy or --compare")
     assert_one_line_error(cli("simulate", "--workload", "nope"), "workload 'nope' is unknown")
     assert_one_line_error(cli("simulate", "--workload", "agentic", "--ram-bytes", "lots"), "--ram-bytes")

@@ -303,9 +303,10 @@ def _cmd_simulate(args) -> int:
     if bool(args.trace) == bool(args.workload):
         raise HybridKVError("give either --trace PATH or --workload NAME")
     if (args.policy or args.compare) and (args.retention is not None or args.eviction != "lru"
-                                          or args.insertion is not None or args.no_spare_states):
-        raise HybridKVError("--retention, --eviction, --insertion and --no-spare-states change the default policy; "
-                            "leave them out with --policy or --compare (e.g. --policy periodic-4096)")
+                                          or args.insertion is not None or args.no_spare_states
+                                          or args.ram_split is not None):
+        raise HybridKVError("--retention, --eviction, --insertion, --no-spare-states and --ram-split change the "
+                            "default policy; leave them out with --policy or --compare (e.g. --policy periodic-4096)")
     if args.layout:
         layout = load_layout(args.layout)
     elif args.model:
@@ -341,7 +342,8 @@ def _cmd_simulate(args) -> int:
         changed = dataclasses.replace(pol, eviction=args.eviction, retention=pol.retention if args.retention is None
                                       else parse_retention(args.retention),
                                       insertion=args.insertion or pol.insertion,
-                                      spare=pol.spare and not args.no_spare_states)
+                                      spare=pol.spare and not args.no_spare_states,
+                                      ram_split=args.ram_split or pol.ram_split)
         pol = pol if changed == pol else dataclasses.replace(changed, name="custom")
     rows = [replay(layout, prompts, b, pol, name, reference, progress=not args.json).to_dict() for b in budgets]
     if args.json:
@@ -451,6 +453,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="without --policy: the default with new pages entering the eviction order so")
     p.add_argument("--no-spare-states", action="store_true",
                    help="without --policy: the default keeping no states beyond its retention's in free RAM")
+    p.add_argument("--ram-split", choices=["shared", "static"],
+                   help="without --policy: the default with RAM shared by attention pages and states (the default) "
+                        "or split as planned for the reference length")
     p.add_argument("--compare", action="store_true", help="every policy and the ceilings in one table")
     p.add_argument("--policies", help="with --compare: a comma list instead of the default set")
     p.add_argument("--plot", help="with --compare: write a PNG chart here")
