@@ -180,6 +180,7 @@ class TieredCache:
         self.promotions = Promotions(self.pools, self.regions, self.counters, self.secondaries)
         self._pin_hook, self._pageless = pin_hook, pageless
         self._coming: _RegionsInMaking | None = None       # a re-plan's regions, being made
+        self._segments_asked: tuple | None = None          # what _map_ahead last asked for
         try:
             # the tiers first: a store's start-up scan then runs while RAM is allocated
             # (20 ms for 64 MiB), not while the first request waits for it
@@ -454,9 +455,10 @@ class TieredCache:
         """The pools' ``prepare_store``, then the copies of the pages it moved within the arena
         to give another kind room (idle pages: no worker reads or writes them meanwhile)."""
         plans = self.pools.prepare_store(keys, cold, spare)
-        for gid, src, dst in self.pools.take_relocated():
-            region = self.regions[gid]
-            if not self._pageless:
+        moved = self.pools.take_relocated()
+        if not self._pageless:
+            for gid, src, dst in moved:
+                region = self.regions[gid]
                 region.array[dst] = region.array[src]
         return plans
 
@@ -543,6 +545,11 @@ class TieredCache:
         """Have the slots in use and a window beyond them mapped (``SharedRegion.map_ahead``);
         over an arena, the segments that hold them."""
         arena = self.pools.arena
+        if arena is not None:      # what the segments in use depend on: unchanged at most steps
+            asked = (arena, arena.moves, *(self.pools.pool(gid).slots_used for gid in self.regions))
+            if asked == self._segments_asked:
+                return
+            self._segments_asked = asked
         for gid, region in self.regions.items():
             used = self.pools.pool(gid).slots_used
             if arena is None or not isinstance(region, RegionView):

@@ -357,8 +357,7 @@ static void evict_entry(Pool *p, int32_t id) {
     }
 }
 
-/* Mark the call's keys (they are never victims). Returns how many distinct marked keys are
- * evictable (what can_place must not count on), or -1 on error. */
+/* A new mark: no key is marked any more. */
 static void new_mark(Pool *p) {
     if (++p->mark == 0) {
         for (int32_t i = 0; i < p->n_entries; i++)
@@ -367,6 +366,8 @@ static void new_mark(Pool *p) {
     }
 }
 
+/* Mark the call's keys (they are never victims). Returns how many distinct marked keys are
+ * evictable (what can_place must not count on), or -1 on error. */
 static Py_ssize_t mark_keys(Pool *p, PyObject *fast) {
     new_mark(p);
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), evictable = 0;
@@ -813,11 +814,16 @@ static PyObject *Pool_resident_keys(Pool *p, PyObject *Py_UNUSED(ignored)) {
 
 /* ---- a budget shared with other pools (pool.py: oldest, evict_lru, set_capacity) -------- */
 
+static int lru_only(const Pool *p) {
+    if (p->policy == POLICY_LRU)
+        return 1;
+    PyErr_SetString(PyExc_NotImplementedError, "recency stamps are kept under LRU only");
+    return 0;
+}
+
 static PyObject *Pool_oldest(Pool *p, PyObject *Py_UNUSED(ignored)) {
-    if (p->policy != POLICY_LRU) {
-        PyErr_SetString(PyExc_NotImplementedError, "recency stamps are kept under LRU only");
+    if (!lru_only(p))
         return NULL;
-    }
     if (p->head[T1] == EMPTY)
         Py_RETURN_NONE;
     return PyLong_FromUnsignedLongLong(p->e[p->head[T1]].stamp);
@@ -832,12 +838,8 @@ static PyObject *Pool_older_than(Pool *p, PyObject *const *args, Py_ssize_t narg
     if (stamp == (unsigned long long)-1 && PyErr_Occurred())
         return NULL;
     limit = PyLong_AsSsize_t(args[1]);
-    if (limit == -1 && PyErr_Occurred())
+    if ((limit == -1 && PyErr_Occurred()) || !lru_only(p))
         return NULL;
-    if (p->policy != POLICY_LRU) {
-        PyErr_SetString(PyExc_NotImplementedError, "recency stamps are kept under LRU only");
-        return NULL;
-    }
     for (int32_t id = p->head[T1]; id != EMPTY && n < limit && p->e[id].stamp < stamp; id = p->e[id].next)
         n++;
     return PyLong_FromSsize_t(n);

@@ -29,6 +29,13 @@ MIN_SEGMENTS = 64
 MAX_SEGMENTS = 1 << 16  # more and segments grow (a multiple of the least one): the tables stay small
 
 
+def _by_kind(plan: Plan, layout: Layout) -> dict[str, list]:
+    """The plan's groups that have slots, per kind: ``"token"`` and ``"state"``."""
+    groups = [g for g in plan.groups if g.slots > 0]
+    return {kind: [g for g in groups if (layout.group(g.id).kind is GroupKind.STATE) == (kind == "state")]
+            for kind in ("token", "state")}
+
+
 class Arena:
     """Which group owns which segment; ``owned[gid]`` in the order the pool's slots fill them.
     ``kinds``: the groups of each kind, ``"token"`` and ``"state"``."""
@@ -38,8 +45,7 @@ class Arena:
         self.segments = plan.budget_bytes // segment_bytes
         groups = [g for g in plan.groups if g.slots > 0]
         self.rows = {g.id: segment_bytes // g.page_bytes for g in groups}
-        self.kinds = {kind: [g.id for g in groups if (layout.group(g.id).kind is GroupKind.STATE) == (kind == "state")]
-                      for kind in ("token", "state")}
+        self.kinds = {kind: [g.id for g in gs] for kind, gs in _by_kind(plan, layout).items()}
         # the static plan's split in whole segments (at least one a group), rounded down
         want = {g.id: max(1, g.slots // self.rows[g.id]) for g in groups}
         while sum(want.values()) > self.segments:
@@ -56,12 +62,10 @@ class Arena:
     def for_plan(cls, plan: Plan, layout: Layout) -> Arena | None:
         """The arena for ``plan``'s budget, or None where a static split must do: one kind
         only, two page sizes within a kind, or fewer than ``MIN_SEGMENTS`` segments."""
-        groups = [g for g in plan.groups if g.slots > 0]
-        sizes = [{g.page_bytes for g in groups if (layout.group(g.id).kind is GroupKind.STATE) == state}
-                 for state in (False, True)]
-        if any(len(s) != 1 for s in sizes):
+        by_kind = _by_kind(plan, layout)
+        if any(len({g.page_bytes for g in gs}) != 1 for gs in by_kind.values()):
             return None
-        segment = math.lcm(*(g.page_bytes for g in groups))
+        segment = math.lcm(*(g.page_bytes for gs in by_kind.values() for g in gs))
         if plan.budget_bytes // segment < MIN_SEGMENTS:
             return None
         return cls(plan, layout, segment * -(-plan.budget_bytes // segment // MAX_SEGMENTS))

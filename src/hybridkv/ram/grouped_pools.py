@@ -132,7 +132,8 @@ class GroupedPools:
         if self.arena is not None and not spare:
             for gid in keys:
                 self._make_room(gid, len(news[gid]))
-            news = {gid: self.pools[gid].new_keys(ks) for gid, ks in keys.items()}
+            if len({self.arena.kind_of(gid) for gid in keys}) > 1:   # a move evicts the other kind only
+                news = {gid: self.pools[gid].new_keys(ks) for gid, ks in keys.items()}
         for gid, ks in keys.items():
             if not self.pools[gid].can_place(ks, news[gid]):
                 self.pools[gid].store_refusals += 1
@@ -177,19 +178,19 @@ class GroupedPools:
             return False
         mine = [self.pools[gid].oldest() for gid in arena.kinds[kind]]
         before = min((m for m in mine if m is not None), default=NEWEST)
+        unit = {gid: give * arena.rows[gid] for gid in donors}      # slots each donor gives
         free = {gid: self.pools[gid].free_count() for gid in donors}
         # one LRU order would fill the unit's room, and MOVE_MARGIN units more, from the other
         # kind's free slots and from pages it evicts before any of this kind's: moves follow
         # lasting shifts of the traffic, not one request's
-        wants = {gid: (1 + MOVE_MARGIN) * give * arena.rows[gid] - free[gid] for gid in donors}
+        wants = {gid: (1 + MOVE_MARGIN) * unit[gid] - free[gid] for gid in donors}
         if any(n > 0 and self.pools[gid].older_than(before, n) < n for gid, n in wants.items()):
             return False
-        shorts = {gid: give * arena.rows[gid] - free[gid] for gid in donors}
         shrunk = []
         for gid in donors:
             pool = self.pools[gid]
-            short = shorts[gid]
-            target = pool.capacity - give * arena.rows[gid]
+            short = unit[gid] - free[gid]
+            target = pool.capacity - unit[gid]
             victims = pool.evict_lru(short) if short > 0 else []
             if victims is None:
                 break
