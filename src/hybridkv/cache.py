@@ -121,6 +121,8 @@ class PageCache(Protocol):
     def prepare_store(self, keys: Mapping[int, Sequence[bytes]], cold: bool = False,
                       spare: bool = False) -> dict[int, StorePlan] | None: ...
     def free_slots(self, group: int) -> int: ...
+    @property
+    def shared_ram_bytes(self) -> int | None: ...
     def write(self, group: int, slot: int, page) -> None: ...
     def complete_store(self, plans: Mapping[int, StorePlan], ok: bool = True) -> None: ...
     def poll(self) -> int: ...
@@ -198,6 +200,12 @@ class TieredCache:
     def tier_names(self) -> list[str]:
         """RAM first, then the secondary tiers in lookup order (the values of ``lookup``)."""
         return list(self.counters)
+
+    @property
+    def shared_ram_bytes(self) -> int | None:
+        """Bytes RAM's groups draw on together (``ram_split = shared``), or None: each group
+        keeps the slots the plan gave it."""
+        return self.pools.shared_bytes
 
     def _arena(self, plan: Plan) -> Arena | None:
         """The budget the groups share under ``plan``, or None: a static split (ram_split =

@@ -25,13 +25,16 @@ from hybridkv.core.errors import HybridKVError
 from hybridkv.core.insertion import Insertion, Ticket
 from hybridkv.core.keys import block_hashes
 from hybridkv.core.layout import GroupKind, Layout
+from hybridkv.core.periodic import PeriodicChoice
 from hybridkv.core.retention import (
+    AUTO,
     DivergenceAlignment,
     Hit,
     Retention,
     compute_hit,
     replay_boundary,
 )
+from hybridkv.core.shadow import ShadowCache, SharedShadowCache
 from hybridkv.promotion import Load
 
 log = logging.getLogger(__name__)
@@ -69,6 +72,7 @@ class RequestState:
     retention: Retention | None = None     # the connector's when the request began (set by begin), for all its stores
     keyed_with: tuple = (None, b"")    # the salt and key tail (extra, epoch) the keys were made with
     ticket: Ticket = Ticket(False)     # whether its stores enter RAM cold, and what the shadows restored
+    periodic: tuple = (None, (0, 0))   # the PeriodicChoice at begin, and what its shadows restored
 
     @property
     def hit_tokens(self) -> int:
@@ -193,7 +197,10 @@ class Connector:
         if config.state_align and retention is None:
             self._realign(config.state_align)
         self._epoch = b""          # enters every key; a new one when the weights change
-        self.insertion = self._new_insertion()
+        # retention = auto: whether its periodic states pay for their bytes is learned
+        self._periodic_interval = (self.retention.interval if config.retention == AUTO and retention is None
+                                   and self.state_groups and config.eviction == "lru" else None)
+        self.insertion, self.periodic = self._new_insertion(), self._new_periodic()
 
     def _new_insertion(self, score: float = 0.0) -> Insertion:
         """Where stores enter RAM's eviction order, its shadows as large as the pools now. The
@@ -204,6 +211,32 @@ class Connector:
         insertion = Insertion(mode, self.B, plan.token_slots, min(state_slots) if state_slots else None, score)
         self.stats["insertion_cold"] = int(insertion.prefers_cold)
         return insertion
+
+    def _new_periodic(self, score: float = 0.0) -> PeriodicChoice | None:
+        """The choice of periodic states, its shadows as large as RAM now and shaped like it
+        (one budget over an arena, slots per kind over a static split)."""
+        if self._periodic_interval is None:
+            return None
+        plan, shared = self.cache.plan, self.cache.shared_ram_bytes
+        if shared is None:
+            state_slots = min(g.slots for g in plan.groups if g.id in self.state_groups)
+            shadows = (ShadowCache(plan.token_slots, state_slots), ShadowCache(plan.token_slots, state_slots))
+        else:
+            sizes = [sum(self.layout.group(g).page_bytes for g in ids) for ids in (self.token_groups, self.state_groups)]
+            shadows = (SharedShadowCache(shared, *sizes), SharedShadowCache(shared, *sizes))
+        choice = PeriodicChoice(self.B, self._periodic_interval, shadows, score)
+        self._set_interval(choice.interval_now)
+        return choice
+
+    def _set_interval(self, interval: int) -> None:
+        self.retention = dataclasses.replace(self.retention, interval=interval)
+        self.stats["periodic_states"] = int(interval > 0)
+
+    def _renew_learners(self) -> None:
+        """RAM was re-planned or emptied: shadows as large as it now, the scores kept (the
+        traffic did not change)."""
+        self.insertion = self._new_insertion(self.insertion.score)
+        self.periodic = self._new_periodic(self.periodic.score if self.periodic else 0.0)
 
     # -- lookup and load --------------------------------------------------------------------
     def begin(self, request_id: str, tokens: Sequence[int], salt: str | None = None,
@@ -236,6 +269,8 @@ class Connector:
         self._learn_alignment(req)
         req.retention = self.retention
         req.ticket = self.insertion.begin(req.keys, req.n_tokens, req.hit.tokens)
+        if self.periodic is not None:
+            req.periodic = (self.periodic, self.periodic.begin(req.keys, req.n_tokens))
         self.stats["cold_requests"] += req.ticket.cold
         self.stats["requests"] += 1
         self.stats["prompt_tokens"] += req.n_tokens
@@ -343,7 +378,7 @@ class Connector:
         is using (returns how many). Disk and Redis pages age out under their quotas: a restart
         on the original weights finds the pages made with them, which are valid there."""
         self._epoch = secrets.token_bytes(16)
-        self.insertion = self._new_insertion(self.insertion.score)
+        self._renew_learners()
         return self.cache.forget_ram()
 
     def hit_blocks(self, req: RequestState) -> dict[int, range]:
@@ -522,8 +557,20 @@ class Connector:
             self.insertion.finished(req.keys, req.n_tokens, req.ticket, req.retention, req.hit.junction,
                                     req.max_stored_tokens, req.spare_boundaries)
             self.stats["insertion_cold"] = int(self.insertion.prefers_cold)
+            self._learn_periodic(req)
         if self.reference is not None:
             self._learn_reference(req)
+
+    def _learn_periodic(self, req: RequestState) -> None:
+        choice, hits = req.periodic
+        if choice is None or choice is not self.periodic:     # begun before a re-plan or reset
+            return
+        spares = req.spare_boundaries if self.spare_states else None
+        if choice.finished(req.keys, req.n_tokens, hits, req.retention, req.hit.junction, req.ticket.cold,
+                           req.max_stored_tokens, spares):
+            self._set_interval(choice.interval_now)
+            log.info("%s periodic states: %s the traffic lately", "keeping" if choice.keeps_periodic else "dropping",
+                     "they served" if choice.keeps_periodic else "without them RAM served more of")
 
     def _learn_reference(self, req: RequestState) -> None:
         """Re-plan the RAM pools for the traffic's mean prompt once it is known and far from the
@@ -540,7 +587,7 @@ class Connector:
             self.reference = None
             return
         self.reference.replanned()
-        self.insertion = self._new_insertion(self.insertion.score)
+        self._renew_learners()
         self.stats["replans"] += 1
         self.stats["reference_tokens"] = want
         log.info("RAM re-planned for %d-token prompts, the mean of the %d so far (reference_tokens is not "

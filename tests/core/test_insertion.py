@@ -3,8 +3,9 @@
 import pytest
 
 from hybridkv.core.errors import HybridKVError
-from hybridkv.core.insertion import Insertion, ShadowCache, check_mode
+from hybridkv.core.insertion import Insertion, check_mode
 from hybridkv.core.retention import Retention
+from hybridkv.core.shadow import ShadowCache
 
 B = 16
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hybridkv.core.errors import HybridKVError
 from hybridkv.core.retention import Retention, replay_boundary
+from hybridkv.core.shadow import ShadowCache
 
 MODES = ("adaptive", "warm", "cold")
 WARM_EVERY = 32           # one request in 32 (drawn) enters warm whatever it hit
@@ -37,64 +37,6 @@ def check_mode(mode: str) -> str:
         raise HybridKVError(f"insertion = {mode!r} is unknown; use adaptive (the default), warm (plain LRU) "
                             "or cold (pages of requests that found under half their prompt enter cold)")
     return mode
-
-
-class ShadowCache:
-    """Keys of RAM's pages, no bytes, in LRU order: attention blocks and kept states, each
-    bounded by the slots its pools have."""
-
-    def __init__(self, block_slots: int, state_slots: int | None):
-        self.blocks: OrderedDict[bytes, None] = OrderedDict()
-        self.states: OrderedDict[bytes, None] | None = None if state_slots is None else OrderedDict()
-        self.block_slots, self.state_slots = block_slots, state_slots
-
-    def hit_blocks(self, keys: Sequence[bytes], limit: int) -> int:
-        """Leading blocks the hybrid hit restores: present blocks up to the deepest one at whose
-        end a state is kept (any present block without states), at most ``limit``."""
-        blocks, states, best = self.blocks, self.states, 0
-        for i in range(limit):
-            if keys[i] not in blocks:
-                break
-            if states is None or keys[i] in states:
-                best = i + 1
-        return best
-
-    def record(self, keys: Sequence[bytes], hit: int, state_ends: Sequence[int], cold: bool,
-               spare_ends: Sequence[int] = ()) -> None:
-        """A request restored ``hit`` blocks and stored its other blocks and the states ending
-        at ``state_ends`` (block counts); ``cold`` stores them at the cold end. What it hit is
-        made most recent, stored again if other requests evicted it since it began. States at
-        ``spare_ends`` are stored as the cache stores spare states: cold, into free room only."""
-        blocks, states = self.blocks, self.states
-        for key in keys[:hit]:
-            self._put(blocks, self.block_slots, key, False)
-            blocks.move_to_end(key)
-        if hit and states is not None:
-            self._put(states, self.state_slots, keys[hit - 1], False)
-            states.move_to_end(keys[hit - 1])
-        for key in keys[hit:]:
-            self._put(blocks, self.block_slots, key, cold)
-        if states is not None:
-            for end in state_ends:
-                if end > hit:
-                    self._put(states, self.state_slots, keys[end - 1], cold)
-            for end in spare_ends:
-                if len(states) >= self.state_slots:
-                    break
-                if end > hit:
-                    self._put(states, self.state_slots, keys[end - 1], True)
-
-    @staticmethod
-    def _put(order: OrderedDict, slots: int, key: bytes, cold: bool) -> None:
-        """A cold key stored into a full shadow leaves at once; a pool keeps it at the front
-        until its next store, which the request's own next page usually is."""
-        if key in order:
-            return
-        order[key] = None
-        if cold:
-            order.move_to_end(key, last=False)
-        if len(order) > slots:
-            order.popitem(last=False)
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,11 @@ class GroupedPools:
         self.arena = arena
         self.relocated = []
 
+    @property
+    def shared_bytes(self) -> int | None:
+        """Bytes the groups draw on together (the arena's), or None: each has its own slots."""
+        return None if self.arena is None else self.arena.segments * self.arena.segment_bytes
+
     def idle(self) -> bool:
         """No slot is pinned or being written: every resident page could be evicted now."""
         return all(len(pool) == pool.evictable_count() for pool in self.pools.values())

@@ -80,6 +80,10 @@ class SharedBudgetPools(GroupedPools):
         self.pools = {gid: SlotPool(gid, self.budget_bytes // self.page_bytes[gid] + 1, _GroupView(gid, self.order))
                       for gid in slots_per_group}
 
+    @property
+    def shared_bytes(self) -> int:
+        return self.budget_bytes
+
     def bytes_used(self) -> int:
         return sum(len(pool) * self.page_bytes[gid] for gid, pool in self.pools.items())
 
