@@ -11,7 +11,8 @@ import pytest
 
 from hybridkv.cache import TieredCache, store_pages
 from hybridkv.config import CacheConfig
-from hybridkv.connector import Connector, ReferenceLearner, StateLookup
+from hybridkv.connector import Connector, PageKind, ReferenceLearner, StateLookup
+from hybridkv.core.shadow import ShadowCache, SharedShadowCache
 
 from helpers.tier_worker import LAYOUT, flip_payload_byte, load_now, page
 
@@ -620,3 +621,48 @@ def test_under_arc_the_shadows_of_lru_do_not_decide(tmp_path, insertion, used):
                          insertion=insertion)
     with TieredCache(LAYOUT, config) as cache:
         assert Connector(cache).insertion.mode == used
+
+
+def test_retention_auto_pauses_periodic_states_while_ram_restores_more_without_them(cache):
+    conn = Connector(cache)
+    interval = conn.periodic.interval
+    prompt = tokens(interval + 2 * B + 1, 3)
+    req = conn.begin("with", prompt)
+    assert req.retention.keeps(interval, req.n_tokens) and conn.stats["periodic_states"] == 1
+    conn.finish(req)
+    conn.periodic.score = 1.0            # the shadow without them restored more lately
+    req = conn.begin("without", prompt)
+    assert not req.retention.keeps(interval, req.n_tokens) and req.retention.interval == 0
+    assert conn.is_spare(req, PageKind.STATE, interval) and conn.stats["periodic_states"] == 0
+    conn.finish(req)
+    conn.periodic.score = -1.0
+    assert conn.begin("again", prompt).retention.interval == interval
+
+
+@pytest.mark.parametrize("split, shadow", [("shared", SharedShadowCache), ("static", ShadowCache)])
+def test_the_periodic_choice_replays_ram_as_it_is_split(split, shadow):
+    config = CacheConfig(block_tokens=B, ram_bytes=4 * 1024**2, reference_tokens=8 * B, ram_split=split)
+    with TieredCache(LAYOUT, config, secondaries=[], pageless=True) as cache:
+        choice = Connector(cache).periodic
+        assert all(type(s) is shadow for s in choice.shadows)
+        if split == "shared":
+            assert choice.shadows[0].budget == cache.shared_ram_bytes > 0
+
+
+@pytest.mark.parametrize("settings", [{"retention": 0}, {"retention": 64 * B}, {"retention": "dense"},
+                                      {"eviction": "arc"}])
+def test_periodic_states_are_learned_only_for_retention_auto_under_lru(settings):
+    config = CacheConfig(block_tokens=B, ram_bytes=1024**2, reference_tokens=8 * B, **settings)
+    with TieredCache(LAYOUT, config, secondaries=[], pageless=True) as cache:
+        conn = Connector(cache)
+        assert conn.periodic is None
+        assert conn.retention.interval == config.retention_tokens(B)
+
+
+def test_the_periodic_choice_keeps_its_score_across_a_reset_with_empty_shadows(cache):
+    conn = Connector(cache)
+    conn.finish(conn.begin("r", tokens(4 * B + 1, 7)))
+    conn.periodic.score = 5.0
+    conn.forget_all()
+    assert conn.periodic.score == 5.0 and not conn.periodic.shadows[0].blocks
+    assert conn.begin("r2", tokens(4 * B + 1, 8)).retention.interval == 0

@@ -201,6 +201,7 @@ class Connector:
         self._periodic_interval = (self.retention.interval if config.retention == AUTO and retention is None
                                    and self.state_groups and config.eviction == "lru" else None)
         self.insertion, self.periodic = self._new_insertion(), self._new_periodic()
+        self._retention_now()
 
     def _new_insertion(self, score: float = 0.0) -> Insertion:
         """Where stores enter RAM's eviction order, its shadows as large as the pools now. The
@@ -224,13 +225,17 @@ class Connector:
         else:
             sizes = [sum(self.layout.group(g).page_bytes for g in ids) for ids in (self.token_groups, self.state_groups)]
             shadows = (SharedShadowCache(shared, *sizes), SharedShadowCache(shared, *sizes))
-        choice = PeriodicChoice(self.B, self._periodic_interval, shadows, score)
-        self._set_interval(choice.interval_now)
-        return choice
+        return PeriodicChoice(self.B, self._periodic_interval, shadows, score)
 
-    def _set_interval(self, interval: int) -> None:
-        self.retention = dataclasses.replace(self.retention, interval=interval)
-        self.stats["periodic_states"] = int(interval > 0)
+    def _retention_now(self) -> Retention:
+        """The retention a request begun now stores under; with ``retention = auto``, with or
+        without its periodic states as the choice has it now."""
+        if self.periodic is not None and self.retention.interval != self.periodic.interval_now:
+            self.retention = dataclasses.replace(self.retention, interval=self.periodic.interval_now)
+            log.info("periodic states %s: lately RAM restored more %s them", "resumed" if
+                     self.periodic.keeps_periodic else "paused", "with" if self.periodic.keeps_periodic else "without")
+        self.stats["periodic_states"] = int(bool(self.retention.interval))
+        return self.retention
 
     def _renew_learners(self) -> None:
         """RAM was re-planned or emptied: shadows as large as it now, the scores kept (the
@@ -267,7 +272,7 @@ class Connector:
             req.keys = block_hashes(tokens, self.B, salt, tail)
         req.hit = self._find_hit(req, located)
         self._learn_alignment(req)
-        req.retention = self.retention
+        req.retention = self._retention_now()
         req.ticket = self.insertion.begin(req.keys, req.n_tokens, req.hit.tokens)
         if self.periodic is not None:
             req.periodic = (self.periodic, self.periodic.begin(req.keys, req.n_tokens))
@@ -284,7 +289,7 @@ class Connector:
         if not self._keys_hold(req, salt, extra):
             return False
         req.hit = self._find_hit(req)
-        req.retention = self.retention
+        req.retention = self._retention_now()
         return True
 
     def _keys_hold(self, req: RequestState, salt: str | None, extra: bytes | None) -> bool:
@@ -565,12 +570,8 @@ class Connector:
         choice, hits = req.periodic
         if choice is None or choice is not self.periodic:     # begun before a re-plan or reset
             return
-        spares = req.spare_boundaries if self.spare_states else None
-        if choice.finished(req.keys, req.n_tokens, hits, req.retention, req.hit.junction, req.ticket.cold,
-                           req.max_stored_tokens, spares):
-            self._set_interval(choice.interval_now)
-            log.info("%s periodic states: %s the traffic lately", "keeping" if choice.keeps_periodic else "dropping",
-                     "they served" if choice.keeps_periodic else "without them RAM served more of")
+        choice.finished(req.keys, req.n_tokens, hits, req.retention, req.hit.junction, req.ticket.cold,
+                        req.max_stored_tokens, req.spare_boundaries if self.spare_states else None)
 
     def _learn_reference(self, req: RequestState) -> None:
         """Re-plan the RAM pools for the traffic's mean prompt once it is known and far from the

@@ -1,11 +1,10 @@
-"""Where stores enter RAM's eviction order: the shadows' hit rule and the adaptive choice."""
+"""Where stores enter RAM's eviction order: the adaptive choice between warm and cold."""
 
 import pytest
 
 from hybridkv.core.errors import HybridKVError
 from hybridkv.core.insertion import Insertion, check_mode
 from hybridkv.core.retention import Retention
-from hybridkv.core.shadow import ShadowCache
 
 B = 16
 
@@ -21,59 +20,6 @@ def serve(ins: Insertion, keys: list[bytes], hit_tokens: int = 0, retention: Ret
     ticket = ins.begin(keys, n_tokens, hit_tokens)
     ins.finished(keys, n_tokens, ticket, retention or Retention(B, 0, 0), None)
     return ticket
-
-
-def test_the_shadow_hit_ends_where_a_state_is_kept():
-    shadow = ShadowCache(block_slots=10, state_slots=10)
-    keys = session(0, 4)
-    shadow.record(keys, 0, [2, 4], cold=False)           # states after blocks 2 and 4
-    assert shadow.hit_blocks(keys, 4) == 4
-    assert shadow.hit_blocks(keys, 3) == 2               # the replay boundary stops it before 4
-    assert shadow.hit_blocks(session(1, 4), 4) == 0
-    shadow.blocks.pop(keys[2])
-    assert shadow.hit_blocks(keys, 4) == 2               # no block past a missing one
-
-
-def test_a_hit_evicted_from_the_shadow_before_its_request_finished_is_stored_again():
-    """Requests overlap in an engine: others may evict what one hit between its begin and its
-    finish (or a reset may replace the shadows)."""
-    shadow = ShadowCache(block_slots=3, state_slots=3)
-    keys = session(0, 3)
-    shadow.record(keys, 0, [3], cold=False)
-    hit = shadow.hit_blocks(keys, 3)
-    shadow.record(session(1, 3), 0, [3], cold=False)      # evicts the first session's pages
-    shadow.record(keys, hit, [], cold=False)
-    assert list(shadow.blocks) == keys and keys[2] in shadow.states
-
-
-def test_a_shadow_without_states_hits_every_present_block():
-    shadow = ShadowCache(block_slots=10, state_slots=None)
-    keys = session(0, 3)
-    shadow.record(keys, 0, [], cold=False)
-    assert shadow.hit_blocks(keys + session(1, 1), 4) == 3
-
-
-def test_a_shadow_holds_no_more_than_its_slots_and_cold_keys_leave_first():
-    shadow = ShadowCache(block_slots=5, state_slots=None)
-    shadow.record(session(0, 3), 0, [], cold=False)
-    shadow.record(session(1, 2), 0, [], cold=True)       # room left: stored, at the evicted-first end
-    assert list(shadow.blocks)[:2] == session(1, 2)[::-1]
-    shadow.record(session(2, 2), 0, [], cold=False)
-    assert len(shadow.blocks) == 5 and not any(k in shadow.blocks for k in session(1, 2))
-    assert all(k in shadow.blocks for k in session(0, 3))
-
-
-def test_spare_states_enter_a_shadow_only_into_free_room_and_cold():
-    """As the cache stores them: a shadow replays spare states where it has room for them, at
-    the evicted-first end, and never evicts a kept state for one."""
-    shadow = ShadowCache(block_slots=20, state_slots=3)
-    first = session(0, 4)
-    shadow.record(first, 0, [4], cold=False, spare_ends=[1, 2, 3])
-    assert list(shadow.states) == [first[1], first[0], first[3]]   # two spares fit, cold
-    assert shadow.hit_blocks(first[:2] + session(9, 2), 4) == 2    # a branch after block 2 hits
-    second = session(1, 2)
-    shadow.record(second, 0, [2], cold=False, spare_ends=[1])      # full: the kept state evicts a spare
-    assert second[1] in shadow.states and second[0] not in shadow.states and first[3] in shadow.states
 
 
 def test_the_shadows_replay_spare_states_only_where_the_engine_had_them():

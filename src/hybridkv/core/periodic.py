@@ -46,22 +46,20 @@ class PeriodicChoice:
 
     def finished(self, keys: Sequence[bytes], n_tokens: int, hits: tuple[int, int], retention: Retention,
                  junction: int | None, cold: bool, stored_tokens: int | None = None,
-                 spare_boundaries: Sequence[int] | None = None) -> bool:
+                 spare_boundaries: Sequence[int] | None = None) -> None:
         """The request ran to its end under ``retention``, its stores entering cold or not:
         each shadow stores what that retention would have with its interval (and, where
         ``spare_boundaries`` is given, the spare states the engine had into free room), up to
-        ``stored_tokens``; the score weighs what the two restored. True when the choice changed."""
+        ``stored_tokens``; the score weighs what the two restored."""
         B = self.B
         end = n_tokens if stored_tokens is None else min(n_tokens, stored_tokens)
         full = keys[:end // B]
         boundaries = range(B * (min(hits) + 1), end + 1, B)
         had = (None if spare_boundaries is None else
                {b for b in spare_boundaries if b in boundaries} | {b for b in boundaries if retention.keeps(b, n_tokens, junction)})
-        before = self.keeps_periodic
         for shadow, hit, interval in zip(self.shadows, hits, (self.interval, 0), strict=True):
             keeper = dataclasses.replace(retention, interval=interval)
             ends = [b // B for b in boundaries if keeper.keeps(b, n_tokens, junction)]
             spare_ends = () if had is None else sorted(b // B for b in had if not keeper.keeps(b, n_tokens, junction))
             shadow.record(full, hit, ends, cold, spare_ends)
         self.score = DECAY * self.score + (hits[1] - hits[0]) * B
-        return self.keeps_periodic != before
