@@ -223,9 +223,10 @@ def test_compare_runs_every_policy_under_the_unlimited_ceiling(tmp_path):
     assert [changed_settings(name) for name in out["best"]] == out["best_settings"]
     assert "| best policy (settings beyond the defaults) | " in table(out)
     assert len(out["ceiling_at_recommended_attention_bytes"]) == 3
-    for field in ("recommended_shared_budget", "recommended_static_split"):
+    for field in ("recommended_shared_budget", "recommended_static_split", "recommended_clairvoyant_states"):
         assert len(out[field]) == 3 and all(0 <= r <= out["ceiling_unlimited"] for r in out[field])
     assert "over one budget in one LRU order" in table(out) and "`ram_split = static`" in table(out)
+    assert "storing states only where a later prompt resumes" in table(out)
     # a cache not told the prompt length plans for the model's maximum (1M here), then learns
     assert out["default_reference_tokens"] == 1 << 20
     assert len(out["recommended_at_default_reference"]) == 3
@@ -317,3 +318,19 @@ def test_policy_objects_name_what_they_keep():
             policy(bad)
     assert not policy("vllm-align").keeper(256).keeps(256, 2000, junction=256)
     assert policy("semantic").keeper(256).keeps(256, 2000, junction=256)
+
+
+@pytest.mark.parametrize("workload", ["multi_turn_chat", "shared_system_prompt", "agentic"])
+def test_clairvoyant_states_serve_every_repeated_prefix_where_nothing_is_evicted(workload):
+    """Storing a state exactly where a later prompt resumes, and no other: with room for
+    everything, every prompt restores all it shares with the ones before it, from fewer
+    states than the default stores."""
+    from hybridkv.tools.simulator import RECOMMENDED, clairvoyant_states
+
+    prompts = workload_prompts(workload)
+    default = replay(LAYOUT, prompts, HUGE, policy(RECOMMENDED), workload)
+    seer = replay(LAYOUT, prompts, HUGE, policy(RECOMMENDED), workload,
+                  connector=clairvoyant_states(prompts, B))
+    assert seer.wrong_hits == 0
+    assert seer.prefill_tokens_saved == seer.servable_tokens > 0
+    assert seer.ram_bytes_stored < default.ram_bytes_stored

@@ -9,7 +9,8 @@ no ``reference_tokens`` plans RAM (for prompts of the model's maximum length, un
 learned the traffic's): what the setting is worth on this trace; with RAM split statically
 between attention pages and states (``ram_split = static``): what the shared arena gains; and
 over one budget in one LRU order without segments (``SharedBudgetPools``): what the arena's
-segments cost.
+segments cost; and storing states only where a later prompt resumes (``clairvoyant_states``):
+what a better choice of states could gain.
 """
 
 from __future__ import annotations
@@ -22,9 +23,18 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from hybridkv.connector import Connector
 from hybridkv.core.layout import Layout
 from hybridkv.core.planner import default_reference_tokens, plan_pools
-from hybridkv.tools.simulator import RECOMMENDED, Policy, SimResult, policy, replay, settings
+from hybridkv.tools.simulator import (
+    RECOMMENDED,
+    Policy,
+    SimResult,
+    clairvoyant_states,
+    policy,
+    replay,
+    settings,
+)
 
 DEFAULT_POLICIES = ("dense", "vllm-align", "semantic", "semantic-tail", "periodic-4096", "periodic-16384",
                     "semantic-aligned", "aligned-periodic-8192", "marconi", RECOMMENDED)
@@ -44,6 +54,7 @@ class Comparison:
     default_reference: int                  # what RAM is planned for then, until it is learned
     shared_budget: list[SimResult]          # the recommended policy over one budget, one LRU order
     static_split: list[SimResult]           # the recommended policy with ram_split = static
+    clairvoyant: list[SimResult]            # the recommended policy storing only the states later used
     recommended: str = RECOMMENDED
 
     @property
@@ -83,6 +94,7 @@ class Comparison:
             "learned_reference_tokens": [r.reference_tokens for r in self.at_default_reference],
             "recommended_shared_budget": [r.token_hit_rate for r in self.shared_budget],
             "recommended_static_split": [r.token_hit_rate for r in self.static_split],
+            "recommended_clairvoyant_states": [r.token_hit_rate for r in self.clairvoyant],
             "requests": self.ceiling[0].requests, "prompt_tokens": self.ceiling[0].prompt_tokens,
         }
 
@@ -121,28 +133,33 @@ def compare(layout: Layout, prompts: Sequence[np.ndarray], budgets: Sequence[int
     shares = [plan_pools(layout, b, rec.interval(layout.block_tokens), reference_tokens, None, rec.tail).token_slots * token_bytes
               for b in budgets]
     kv_only = [Policy("attention-only ceiling", states=False, insertion=insertion) for insertion in ("warm", "adaptive")]
-    # (result row, policy, budget, reference_tokens: None as a cache not told it, shared budget)
-    runs = [(name, name, b, reference_tokens, False) for name in names for b in budgets]
-    runs += [(f"ceiling {i}", pol, b, reference_tokens, False) for i, pol in enumerate(kv_only) for b in budgets]
-    runs += [("unset", RECOMMENDED, b, None, False) for b in budgets]
-    runs += [("shared", RECOMMENDED, b, reference_tokens, True) for b in budgets]
+    # (result row, policy, budget, reference_tokens: None as a cache not told it, shared budget, connector)
+    runs = [(name, name, b, reference_tokens, False, Connector) for name in names for b in budgets]
+    runs += [(f"ceiling {i}", pol, b, reference_tokens, False, Connector) for i, pol in enumerate(kv_only)
+             for b in budgets]
+    runs += [("unset", RECOMMENDED, b, None, False, Connector) for b in budgets]
+    runs += [("shared", RECOMMENDED, b, reference_tokens, True, Connector) for b in budgets]
     static = dataclasses.replace(rec, ram_split="static")
-    runs += [("static", static, b, reference_tokens, False) for b in budgets]
-    runs += [(f"share {i}", pol, b, reference_tokens, False) for i, pol in enumerate(kv_only) for b in shares]
-    rows = [*names, "ceiling 0", "ceiling 1", "share 0", "share 1", "unset", "shared", "static"]
+    runs += [("static", static, b, reference_tokens, False, Connector) for b in budgets]
+    clairvoyant = clairvoyant_states(prompts, layout.block_tokens)
+    runs += [("clairvoyant", RECOMMENDED, b, reference_tokens, False, clairvoyant) for b in budgets]
+    runs += [(f"share {i}", pol, b, reference_tokens, False, Connector) for i, pol in enumerate(kv_only)
+             for b in shares]
+    rows = [*names, "ceiling 0", "ceiling 1", "share 0", "share 1", "unset", "shared", "static", "clairvoyant"]
     results: dict[str, list[SimResult]] = {name: [] for name in rows}
-    for row, pol, budget, reference, shared in tqdm(runs, desc=workload or "compare", unit="run",
-                                                    disable=not progress):
+    for row, pol, budget, reference, shared, connector in tqdm(runs, desc=workload or "compare", unit="run",
+                                                               disable=not progress):
         if pol == "marconi":
             pol = _tuned_marconi(layout, prompts, budget, reference_tokens)
         elif isinstance(pol, str):
             pol = policy(pol)
-        results[row].append(replay(layout, prompts, budget, pol, workload, reference, progress=progress,
-                                   shared_budget=shared))
+        results[row].append(replay(layout, prompts, budget, pol, workload, reference, connector, progress,
+                                   shared))
     ceiling, share = (_better(results.pop(f"{row} 0"), results.pop(f"{row} 1")) for row in ("ceiling", "share"))
     return Comparison(workload, list(budgets), results, ceiling, share,
                       [s / b for s, b in zip(shares, budgets, strict=True)], results.pop("unset"),
-                      default_reference_tokens(layout), results.pop("shared"), results.pop("static"))
+                      default_reference_tokens(layout), results.pop("shared"), results.pop("static"),
+                      results.pop("clairvoyant"))
 
 
 def _better(plain: list[SimResult], learned: list[SimResult]) -> list[SimResult]:
@@ -178,7 +195,9 @@ def table(c: dict) -> str:
         f"{r / top:.2f}x" if top else "-" for r, top in zip(rec, share, strict=True)) + " | | |")
     for field, label in (("recommended_static_split", "with RAM split statically (`ram_split = static`)"),
                          ("recommended_shared_budget", "over one budget in one LRU order, no segments (the "
-                          "bound of any rule moving RAM between KV and states)")):
+                          "bound of any rule moving RAM between KV and states)"),
+                         ("recommended_clairvoyant_states", "storing states only where a later prompt resumes "
+                          "(clairvoyant: what a better choice of states could gain)")):
         if field in c:
             lines.append(f"| {c['recommended']} {label} | " + " | ".join(
                 f"{r:.1%} ({r / top:.2f}x)" if top else f"{r:.1%}"

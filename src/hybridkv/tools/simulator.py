@@ -26,6 +26,7 @@ from hybridkv.cache import RAM, TieredCache
 from hybridkv.config import CacheConfig
 from hybridkv.connector import Connector
 from hybridkv.core.errors import HybridKVError
+from hybridkv.core.keys import block_hashes
 from hybridkv.core.layout import GroupKind, Layout
 from hybridkv.core.retention import AUTO, Retention, replay_boundary, resolve_interval
 from hybridkv.ram.policies import CostAwareLRU, EvictionPolicy
@@ -154,6 +155,27 @@ class PrefixTruth:
                 seen = i + 1
             node = nxt
         return min(seen * B, replay_boundary(len(tokens), B))
+
+
+def clairvoyant_states(prompts: Sequence[np.ndarray], block_tokens: int) -> type[Connector]:
+    """A connector that stores a state exactly where a later prompt of ``prompts`` resumes (the
+    deepest block it shares with the prompts before it) and nowhere else: perfect knowledge of
+    which states will be used. Replayed with any policy it tells what a better choice of states
+    could gain on this trace; not a strict bound, since eviction still decides what stays."""
+    truth, resumed = PrefixTruth(block_tokens), set()
+    for tokens in prompts:
+        depth = truth.servable_then_add(tokens)
+        if depth:
+            resumed.add(block_hashes(tokens, block_tokens)[depth // block_tokens - 1])
+
+    class ClairvoyantStates(Connector):
+        def wants_state(self, req, boundary: int) -> bool:
+            return not self._over_cap(req, boundary) and req.keys[boundary // self.B - 1] in resumed
+
+        def is_spare(self, req, kind, position: int) -> bool:
+            return False
+
+    return ClairvoyantStates
 
 
 @dataclass
