@@ -214,11 +214,16 @@ the replay boundary; `semantic-aligned` is `semantic-tail` until it has seen whe
 diverge, then keeps each prompt's state at the deepest multiple of the chunk they diverge at
 (without tail states when that chunk is longer than a block); `periodic-N` adds one every N
 tokens to `semantic`, `aligned-periodic-N` to `semantic-aligned`; `aligned-periodic`
-(hybridkv's default) is `aligned-periodic-16384` at these 256-token blocks; `marconi` is semantic admission with
+(hybridkv's default) is `aligned-periodic-16384` at these 256-token blocks while two shadows of
+RAM find its periodic states pay for their bytes (`semantic-aligned` otherwise), with spare
+states and the learned insertion; `marconi` is semantic admission with
 FLOP-aware eviction (recency against recompute saved per byte, its weight tuned on the first
 15% of the trace). The attention-only ceiling gives every byte to KV pages and has a state
-everywhere for free: no state policy can beat it at that budget. Wrong hits are hits deeper
-than an independent index of the trace's earlier prompts allows; they must be 0.
+everywhere for free: no state policy can beat it at that budget. The clairvoyant row keeps
+the default's RAM but stores a state only where a later prompt of the trace resumes: what a
+better choice of states could gain (not a strict bound: eviction still decides what stays).
+Wrong hits are hits deeper than an independent index of the trace's earlier prompts allows;
+they must be 0.
 
 """
 
