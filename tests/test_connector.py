@@ -606,13 +606,16 @@ def test_a_request_the_engine_will_ask_about_again_teaches_the_insertion_nothing
     assert len(conn.insertion.shadows[0].blocks) == 4
 
 
-def test_the_insertion_keeps_its_score_across_a_reset_with_empty_shadows(cache):
+def test_the_learned_choices_keep_their_scores_across_a_reset_with_empty_shadows(cache):
+    """The insertion and the periodic states: a reset empties RAM, not the traffic."""
     conn = Connector(cache)
     conn.finish(conn.begin("r", tokens(4 * B + 1, 7)))
-    conn.insertion.score = 123.0
+    conn.insertion.score, conn.periodic.score = 123.0, 5.0
     conn.forget_all()
     assert conn.insertion.score == 123.0 and not conn.insertion.shadows[0].blocks
+    assert conn.periodic.score == 5.0 and not conn.periodic.shadows[0].blocks
     assert conn.stats["insertion_cold"] == 1
+    assert conn.begin("r2", tokens(4 * B + 1, 8)).retention.interval == 0
 
 
 @pytest.mark.parametrize("insertion, used", [("adaptive", "warm"), ("cold", "cold"), ("warm", "warm")])
@@ -657,12 +660,3 @@ def test_periodic_states_are_learned_only_for_retention_auto_under_lru(settings)
         conn = Connector(cache)
         assert conn.periodic is None
         assert conn.retention.interval == config.retention_tokens(B)
-
-
-def test_the_periodic_choice_keeps_its_score_across_a_reset_with_empty_shadows(cache):
-    conn = Connector(cache)
-    conn.finish(conn.begin("r", tokens(4 * B + 1, 7)))
-    conn.periodic.score = 5.0
-    conn.forget_all()
-    assert conn.periodic.score == 5.0 and not conn.periodic.shadows[0].blocks
-    assert conn.begin("r2", tokens(4 * B + 1, 8)).retention.interval == 0
