@@ -12,6 +12,7 @@ import pytest
 from hybridkv.cache import TieredCache, store_pages
 from hybridkv.config import CacheConfig
 from hybridkv.connector import Connector, PageKind, ReferenceLearner, StateLookup
+from hybridkv.core.retention import Retention
 from hybridkv.core.shadow import ShadowCache, SharedShadowCache
 
 from helpers.tier_worker import LAYOUT, flip_payload_byte, load_now, page
@@ -646,10 +647,21 @@ def test_retention_auto_pauses_periodic_states_while_ram_restores_more_without_t
 def test_the_periodic_choice_replays_ram_as_it_is_split(split, shadow):
     config = CacheConfig(block_tokens=B, ram_bytes=4 * 1024**2, reference_tokens=8 * B, ram_split=split)
     with TieredCache(LAYOUT, config, secondaries=[], pageless=True) as cache:
-        choice = Connector(cache).periodic
+        conn = Connector(cache)
+        choice = conn.periodic
         assert all(type(s) is shadow for s in choice.shadows)
+        first = choice.shadows[0]
         if split == "shared":
-            assert choice.shadows[0].budget == cache.shared_ram_bytes > 0
+            assert first.budget == cache.shared_ram_bytes > 0
+            assert (first.block_bytes, first.state_bytes) == (LAYOUT.group(0).page_bytes, LAYOUT.group(1).page_bytes)
+        else:
+            assert cache.shared_ram_bytes is None
+            assert (first.block_slots, first.state_slots) == (cache.plan.token_slots, cache.plan.slots_per_group()[1])
+        prompt = tokens(4 * B + 1, 5)
+        conn.finish(conn.begin("r", prompt))
+        keys = conn.begin("again", prompt).keys
+        assert all(s.has_block(k) for s in choice.shadows for k in keys[:4])     # finish taught both
+        assert all(s.has_state(keys[3]) for s in choice.shadows)
 
 
 @pytest.mark.parametrize("settings", [{"retention": 0}, {"retention": 64 * B}, {"retention": "dense"},
@@ -660,3 +672,34 @@ def test_periodic_states_are_learned_only_for_retention_auto_under_lru(settings)
         conn = Connector(cache)
         assert conn.periodic is None
         assert conn.retention.interval == config.retention_tokens(B)
+
+
+def test_no_periodic_choice_for_a_retention_of_the_callers_or_a_model_without_states():
+    config = CacheConfig(block_tokens=B, ram_bytes=1024**2, reference_tokens=8 * B)
+    with TieredCache(LAYOUT, config, secondaries=[], pageless=True) as cache:
+        assert Connector(cache, Retention(B, 0)).periodic is None
+    attention_only = dataclasses.replace(LAYOUT, groups=LAYOUT.groups[:1])
+    with TieredCache(attention_only, config, secondaries=[], pageless=True) as cache:
+        conn = Connector(cache)
+        conn.finish(conn.begin("r", tokens(4 * B + 1, 1)))
+        assert conn.periodic is None and "periodic_states" not in conn.stats
+
+
+def test_a_request_begun_before_a_reset_teaches_the_new_periodic_choice_nothing(cache):
+    conn = Connector(cache)
+    req = conn.begin("r", tokens(4 * B + 1, 2))
+    conn.forget_all()
+    conn.finish(req)
+    assert not conn.periodic.shadows[0].blocks and not conn.periodic.shadows[1].blocks
+
+
+def test_a_request_storing_less_than_the_shadows_restore_finishes(cache):
+    """An engine may cap what a request stores below what it hit (``max_stored_tokens``): the
+    shadows take what it stored."""
+    conn = Connector(cache)
+    prompt = tokens(4 * B + 1, 4)
+    conn.finish(conn.begin("first", prompt))
+    req = conn.begin("capped", prompt, max_stored_tokens=2 * B)
+    assert req.periodic[1] == (4, 4) and req.ticket.warm_hit == 4
+    conn.finish(req)
+    assert all(s.has_state(req.keys[3]) for s in conn.periodic.shadows)

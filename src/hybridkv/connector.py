@@ -234,7 +234,8 @@ class Connector:
             self.retention = dataclasses.replace(self.retention, interval=self.periodic.interval_now)
             log.info("periodic states %s: lately RAM restored more %s them", "resumed" if
                      self.periodic.keeps_periodic else "paused", "with" if self.periodic.keeps_periodic else "without")
-        self.stats["periodic_states"] = int(bool(self.retention.interval))
+        if self.state_groups:
+            self.stats["periodic_states"] = int(bool(self.retention.interval))
         return self.retention
 
     def _renew_learners(self) -> None:

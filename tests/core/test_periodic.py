@@ -73,6 +73,19 @@ def test_the_shadow_without_them_replays_the_periodic_boundaries_as_spare_states
     assert list(without.states)[-1] == keys[9]        # the kept one warm, the spares cold
 
 
+def test_paused_periodic_states_still_enter_the_shadow_that_keeps_them():
+    """While the retention in force has no periodic states, the engine's state at a periodic
+    boundary reaches the connector as a spare: the shadow with them keeps it, warm; the one
+    without stores it as a spare, cold."""
+    choice = PeriodicChoice(B, EVERY, (ShadowCache(100, 100), ShadowCache(100, 100)), score=1.0)
+    assert choice.interval_now == 0
+    keys = blocks(("a", 10))
+    serve(choice, keys, spare_boundaries=[4 * B, 8 * B])
+    with_them, without = choice.shadows
+    assert list(with_them.states) == [keys[3], keys[7], keys[9]]
+    assert list(without.states) == [keys[7], keys[3], keys[9]]      # spares at the cold end
+
+
 def test_the_score_carries_over_and_decides_from_the_start():
     shadows = (ShadowCache(10, 10), ShadowCache(10, 10))
     assert not PeriodicChoice(B, EVERY, shadows, score=5.0).keeps_periodic

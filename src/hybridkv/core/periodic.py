@@ -41,8 +41,8 @@ class PeriodicChoice:
     def begin(self, keys: Sequence[bytes], n_tokens: int) -> tuple[int, int]:
         """Blocks each shadow restores for this prompt (with, without periodic states)."""
         limit = min(len(keys), replay_boundary(n_tokens, self.B) // self.B)
-        with_them, without = (shadow.hit_blocks(keys, limit) for shadow in self.shadows)
-        return with_them, without
+        with_them, without = self.shadows
+        return with_them.hit_blocks(keys, limit), without.hit_blocks(keys, limit)
 
     def finished(self, keys: Sequence[bytes], n_tokens: int, hits: tuple[int, int], retention: Retention,
                  junction: int | None, cold: bool, stored_tokens: int | None = None,

@@ -3,8 +3,9 @@
 A shadow holds the keys RAM's pools would hold, no bytes, in LRU order. Two shadows fed the
 same requests under two settings (where new pages enter, which states are kept) tell which
 setting restores more on the traffic at hand; ``Insertion`` and ``PeriodicChoice`` each run a
-pair. ``ShadowCache`` mirrors RAM split statically (a slot count per kind), ``SharedShadowCache``
-a shared arena (one byte budget, one LRU order over attention blocks and states).
+pair. ``ShadowCache`` mirrors RAM split statically (a slot count per kind); ``SharedShadowCache``
+the shared arena, approximated without its segments by one byte budget in one LRU order over
+attention blocks and states.
 """
 
 from __future__ import annotations
@@ -48,7 +49,9 @@ class Shadow(ABC):
         """A request restored ``hit`` blocks and stored its other blocks and the states ending
         at ``state_ends`` (block counts); ``cold`` stores them at the cold end. What it hit is
         made most recent, stored again if other requests evicted it since it began. States at
-        ``spare_ends`` are stored as the cache stores spare states: cold, into free room only."""
+        ``spare_ends`` are stored as the cache stores spare states: cold, into free room only.
+        ``keys`` may end before ``hit`` (a request whose stores were capped below its hit)."""
+        hit = min(hit, len(keys))
         for key in keys[:hit]:
             self.use(key, False)
         if hit and self.has_states:
@@ -110,8 +113,9 @@ class ShadowCache(Shadow):
 
 
 class SharedShadowCache(Shadow):
-    """RAM as one arena: attention blocks (``block_bytes`` each) and states (``state_bytes``
-    each, every state group together) in one LRU order within ``budget_bytes``."""
+    """RAM as one arena, without its segments: attention blocks (``block_bytes`` each) and
+    states (``state_bytes`` each, every state group together) in one LRU order within
+    ``budget_bytes``."""
 
     has_states = True
 

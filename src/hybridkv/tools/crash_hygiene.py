@@ -11,11 +11,11 @@ Each scenario prints one row and a verdict; every verdict is a rule the design p
   regions left by kill -9 are reaped by the next start.
 - *full disk* / *read-only store* (a small tmpfs, mounted for the run; needs root): the engine
   keeps serving with output identical to a cold run and says so in one log line.
-- *Redis stopped with SIGSTOP*: requests are abandoned to recompute, output identical, one log
-  line while it is stopped (and at most an "is back" line once it resumes). How long a request
-  waits first is a figure beside the verdict (the worst extra TTFT, and whether it stayed within
-  1.5x the configured timeout): a loaded machine stretches it, and a verdict on a timing would
-  fail where the cache did nothing wrong.
+- *Redis stopped with SIGSTOP*: requests are abandoned to recompute (none waits more than ten
+  times the configured timeout), output identical, one log line while it is stopped (and at
+  most an "is back" line once it resumes). Whether the wait stayed within 1.5x the timeout is a
+  figure beside the verdict: a loaded machine stretches it past that where the cache did
+  nothing wrong.
 
 usage: python -m hybridkv.tools.crash_hygiene [--loops N] [--json] [--markdown PATH]
 """
@@ -300,7 +300,7 @@ def redis_sigstop(requests_count: int, timeout_s: float = 0.3) -> dict:
             # after SIGCONT a write-through may reach the server before the engine closes:
             # "is back" is then the one further line allowed
             "after_resume": after_resume, "stall_within_timeout": max(extra) <= timeout_s * 1.5,
-            "ok": identical and first.hit_tokens > 0 and len(while_stopped) == 1
+            "ok": identical and first.hit_tokens > 0 and max(extra) <= 10 * timeout_s and len(while_stopped) == 1
             and all("is back" in line for line in after_resume)}
 
 

@@ -24,7 +24,8 @@ TIER_FIELDS = (("hits", "pages served from the tier"),
                ("outages", "times the tier became unreachable"))
 CONNECTOR_GAUGES = {"offers_pending": "page offers RAM has not taken yet",
                     "state_align_tokens": "each prompt's state is kept at a multiple of this many tokens",
-                    "insertion_cold": "1 while pages of requests that found under half their prompt enter RAM cold"}
+                    "insertion_cold": "1 while pages of requests that found under half their prompt enter RAM cold",
+                    "periodic_states": "1 while retention = auto keeps a state every ~16K tokens"}
 
 
 def to_prometheus(stats: dict, prefix: str = "hybridkv") -> str:

@@ -161,7 +161,8 @@ def clairvoyant_states(prompts: Sequence[np.ndarray], block_tokens: int) -> type
     """A connector that stores a state exactly where a later prompt of ``prompts`` resumes (the
     deepest block it shares with the prompts before it) and nowhere else: perfect knowledge of
     which states will be used. Replayed with any policy it tells what a better choice of states
-    could gain on this trace; not a strict bound, since eviction still decides what stays."""
+    could gain on this trace; not a strict bound, since eviction still decides what stays (and
+    a learned insertion still learns from shadows that replay the policy's own states)."""
     truth, resumed = PrefixTruth(block_tokens), set()
     for tokens in prompts:
         depth = truth.servable_then_add(tokens)
