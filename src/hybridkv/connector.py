@@ -206,24 +206,29 @@ class Connector:
     def _new_insertion(self, score: float = 0.0) -> Insertion:
         """Where stores enter RAM's eviction order, its shadows as large as the pools now. The
         shadows replay LRU: under another eviction policy ``adaptive`` stores warm."""
-        plan, config = self.cache.plan, self.cache.config
-        state_slots = [g.slots for g in plan.groups if g.id in self.state_groups]
+        config = self.cache.config
         mode = "warm" if config.insertion == "adaptive" and config.eviction != "lru" else config.insertion
-        insertion = Insertion(mode, self.B, plan.token_slots, min(state_slots) if state_slots else None, score)
+        insertion = Insertion(mode, self.B, *self._shadow_slots(), score)
         self.stats["insertion_cold"] = int(insertion.prefers_cold)
         return insertion
+
+    def _shadow_slots(self) -> tuple[int, int | None]:
+        """A statically split shadow's sizes: the plan's block slots, and the fewest slots of a
+        state group (None: no state groups)."""
+        plan = self.cache.plan
+        state_slots = [g.slots for g in plan.groups if g.id in self.state_groups]
+        return plan.token_slots, min(state_slots) if state_slots else None
 
     def _new_periodic(self, score: float = 0.0) -> PeriodicChoice | None:
         """The choice of periodic states, its shadows as large as RAM now and shaped like it
         (one budget over an arena, slots per kind over a static split)."""
         if self._periodic_interval is None:
             return None
-        plan, shared = self.cache.plan, self.cache.shared_ram_bytes
+        shared = self.cache.shared_ram_bytes
         if shared is None:
-            state_slots = min(g.slots for g in plan.groups if g.id in self.state_groups)
-            shadows = (ShadowCache(plan.token_slots, state_slots), ShadowCache(plan.token_slots, state_slots))
+            shadows = (ShadowCache(*self._shadow_slots()), ShadowCache(*self._shadow_slots()))
         else:
-            sizes = [sum(self.layout.group(g).page_bytes for g in ids) for ids in (self.token_groups, self.state_groups)]
+            sizes = self.layout.block_bytes, self.layout.state_bytes
             shadows = (SharedShadowCache(shared, *sizes), SharedShadowCache(shared, *sizes))
         return PeriodicChoice(self.B, self._periodic_interval, shadows, score)
 

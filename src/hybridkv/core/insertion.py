@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hybridkv.core.errors import HybridKVError
-from hybridkv.core.retention import Retention, replay_boundary
-from hybridkv.core.shadow import ShadowCache
+from hybridkv.core.retention import Retention
+from hybridkv.core.shadow import ShadowCache, pair_hits, stores
 
 MODES = ("adaptive", "warm", "cold")
 WARM_EVERY = 32           # one request in 32 (drawn) enters warm whatever it hit
@@ -88,8 +88,7 @@ class Insertion:
         cold = self.prefers_cold and not warm(hit_tokens)
         if self.shadows is None:
             return Ticket(cold, issuer=self._id)
-        limit = min(len(keys), replay_boundary(n_tokens, self.B) // self.B)
-        warm_hit, cold_hit = (shadow.hit_blocks(keys, limit) for shadow in self.shadows)
+        warm_hit, cold_hit = pair_hits(self.shadows, keys, n_tokens, self.B)
         return Ticket(cold, warm_hit, cold_hit, warm(cold_hit * self.B), self._id)
 
     def finished(self, keys: Sequence[bytes], n_tokens: int, ticket: Ticket, retention: Retention,
@@ -101,12 +100,8 @@ class Insertion:
         stores), and the score weighs what the two restored."""
         if self.shadows is None or ticket.issuer != self._id:
             return
-        B = self.B
-        end = n_tokens if stored_tokens is None else min(n_tokens, stored_tokens)
-        full = keys[:end // B]
-        first = min(ticket.warm_hit, ticket.cold_hit) + 1
-        ends = [b // B for b in range(B * first, end + 1, B) if retention.keeps(b, n_tokens, junction)]
-        spare_ends = sorted({b // B for b in spare_boundaries if B * first <= b <= end})
+        full, ends, spare_ends = stores(keys, n_tokens, self.B, min(ticket.warm_hit, ticket.cold_hit), retention,
+                                        junction, stored_tokens, spare_boundaries)
         self.shadows[0].record(full, ticket.warm_hit, ends, False, spare_ends)
         self.shadows[1].record(full, ticket.cold_hit, ends, not ticket.cold_shadow_warm, spare_ends)
-        self.score = DECAY * self.score + (ticket.cold_hit - ticket.warm_hit) * B
+        self.score = DECAY * self.score + (ticket.cold_hit - ticket.warm_hit) * self.B

@@ -87,6 +87,16 @@ class Layout:
     def cacheable_groups(self) -> tuple[Group, ...]:
         return tuple(g for g in self.groups if g.cacheable)
 
+    @property
+    def block_bytes(self) -> int:
+        """RAM one block takes: a page of every token group."""
+        return sum(g.page_bytes for g in self.groups if g.cacheable and g.is_token_group)
+
+    @property
+    def state_bytes(self) -> int:
+        """RAM one kept state takes: a page of every state group."""
+        return sum(g.page_bytes for g in self.groups if g.kind is GroupKind.STATE)
+
     def fingerprint(self) -> str:
         """Stable digest of everything that changes what the stored bytes mean."""
         identity = {

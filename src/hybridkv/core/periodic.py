@@ -16,8 +16,8 @@ import dataclasses
 from collections.abc import Sequence
 
 from hybridkv.core.insertion import DECAY
-from hybridkv.core.retention import Retention, replay_boundary
-from hybridkv.core.shadow import Shadow
+from hybridkv.core.retention import Retention
+from hybridkv.core.shadow import Shadow, pair_hits, stores
 
 
 class PeriodicChoice:
@@ -40,9 +40,7 @@ class PeriodicChoice:
 
     def begin(self, keys: Sequence[bytes], n_tokens: int) -> tuple[int, int]:
         """Blocks each shadow restores for this prompt (with, without periodic states)."""
-        limit = min(len(keys), replay_boundary(n_tokens, self.B) // self.B)
-        with_them, without = self.shadows
-        return with_them.hit_blocks(keys, limit), without.hit_blocks(keys, limit)
+        return pair_hits(self.shadows, keys, n_tokens, self.B)
 
     def finished(self, keys: Sequence[bytes], n_tokens: int, hits: tuple[int, int], retention: Retention,
                  junction: int | None, cold: bool, stored_tokens: int | None = None,
@@ -51,15 +49,12 @@ class PeriodicChoice:
         each shadow stores what that retention would have with its interval (and, where
         ``spare_boundaries`` is given, the spare states the engine had into free room), up to
         ``stored_tokens``; the score weighs what the two restored."""
-        B = self.B
-        end = n_tokens if stored_tokens is None else min(n_tokens, stored_tokens)
-        full = keys[:end // B]
-        boundaries = range(B * (min(hits) + 1), end + 1, B)
-        had = (None if spare_boundaries is None else
-               {b for b in spare_boundaries if b in boundaries} | {b for b in boundaries if retention.keeps(b, n_tokens, junction)})
+        B, lowest = self.B, min(hits)
+        # the engine had a state wherever the retention in force kept one or it offered a spare
+        had = () if spare_boundaries is None else {*spare_boundaries, *(
+            b for b in range(B * (lowest + 1), n_tokens + 1, B) if retention.keeps(b, n_tokens, junction))}
         for shadow, hit, interval in zip(self.shadows, hits, (self.interval, 0), strict=True):
             keeper = dataclasses.replace(retention, interval=interval)
-            ends = [b // B for b in boundaries if keeper.keeps(b, n_tokens, junction)]
-            spare_ends = () if had is None else sorted(b // B for b in had if not keeper.keeps(b, n_tokens, junction))
+            full, ends, spare_ends = stores(keys, n_tokens, B, lowest, keeper, junction, stored_tokens, had)
             shadow.record(full, hit, ends, cold, spare_ends)
         self.score = DECAY * self.score + (hits[1] - hits[0]) * B

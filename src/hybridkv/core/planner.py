@@ -118,8 +118,7 @@ def plan_pools(
             "or an offload block equal to the engine block"
         )
     policy = Retention(B, retention, tail_states)
-    token_bytes = sum(g.page_bytes for g in cacheable if g.is_token_group)
-    state_bytes = sum(g.page_bytes for g in cacheable if g.kind is GroupKind.STATE)
+    token_bytes, state_bytes = layout.block_bytes, layout.state_bytes
 
     def cost(n: int) -> int:
         return n * token_bytes + state_slots(n, B, reference_tokens, policy) * state_bytes

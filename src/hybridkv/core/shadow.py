@@ -12,7 +12,32 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+
+from hybridkv.core.retention import Retention, replay_boundary
+
+
+def pair_hits(shadows: tuple[Shadow, Shadow], keys: Sequence[bytes], n_tokens: int,
+              block_tokens: int) -> tuple[int, int]:
+    """Blocks each shadow of a pair restores for a prompt, up to its replay boundary."""
+    limit = min(len(keys), replay_boundary(n_tokens, block_tokens) // block_tokens)
+    first, second = shadows
+    return first.hit_blocks(keys, limit), second.hit_blocks(keys, limit)
+
+
+def stores(keys: Sequence[bytes], n_tokens: int, block_tokens: int, lowest_hit: int, retention: Retention,
+           junction: int | None, stored_tokens: int | None = None,
+           engine_states: Collection[int] = ()) -> tuple[Sequence[bytes], list[int], list[int]]:
+    """What a finished request leaves in a shadow that restored ``lowest_hit`` blocks or more:
+    its full blocks (up to ``stored_tokens`` where the engine capped its stores), the block
+    counts at whose end ``retention`` keeps a state, and those where the engine had a state
+    (``engine_states``, in tokens) the retention does not keep: spare states."""
+    B = block_tokens
+    end = n_tokens if stored_tokens is None else min(n_tokens, stored_tokens)
+    boundaries = range(B * (lowest_hit + 1), end + 1, B)
+    ends = [b // B for b in boundaries if retention.keeps(b, n_tokens, junction)]
+    spares = sorted({b // B for b in engine_states if b in boundaries and not retention.keeps(b, n_tokens, junction)})
+    return keys[:end // B], ends, spares
 
 
 class Shadow(ABC):

@@ -16,7 +16,6 @@ from pathlib import Path
 import numpy as np
 
 from hybridkv.config import CacheConfig
-from hybridkv.core.layout import GroupKind
 from hybridkv.engine.engine import Engine
 
 B = 64
@@ -60,7 +59,7 @@ def run_demo(model: str = "tiny-hybrid", store: str | None = None, prompt_tokens
     pages_per_prompt = prompt_tokens // B + 1
     probe = Engine(model, CacheConfig(block_tokens=B), use_cache=False)
     attention_bytes = probe.layout.group(0).page_bytes
-    state_bytes = sum(g.page_bytes for g in probe.layout.groups if g.kind is GroupKind.STATE)
+    state_bytes = probe.layout.state_bytes
     # RAM for about two prompts: the third distinct prompt pushes the oldest out to disk.
     ram = int(2.3 * pages_per_prompt * attention_bytes + 8 * state_bytes)
     config = CacheConfig(block_tokens=B, store=store, ram_bytes=ram, reference_tokens=prompt_tokens,

@@ -129,8 +129,8 @@ def compare(layout: Layout, prompts: Sequence[np.ndarray], budgets: Sequence[int
     any policy that must also pay for its states)."""
     names = list(dict.fromkeys([*policies, RECOMMENDED]))
     rec = policy(RECOMMENDED)
-    token_bytes = sum(g.page_bytes for g in layout.cacheable_groups if g.is_token_group)
-    shares = [plan_pools(layout, b, rec.interval(layout.block_tokens), reference_tokens, None, rec.tail).token_slots * token_bytes
+    shares = [plan_pools(layout, b, rec.interval(layout.block_tokens), reference_tokens, None, rec.tail).token_slots
+              * layout.block_bytes
               for b in budgets]
     kv_only = [Policy("attention-only ceiling", states=False, insertion=insertion) for insertion in ("warm", "adaptive")]
     # (result row, policy, budget, reference_tokens: None as a cache not told it, shared budget, connector)

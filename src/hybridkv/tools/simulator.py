@@ -249,8 +249,7 @@ def replay(layout: Layout, requests: Sequence[np.ndarray] | Iterable[np.ndarray]
     conn = connector(cache, None if pol.align is None else pol.keeper(B))     # None: it learns
     token_pages = dict.fromkeys(conn.token_groups, PagelessRegion.EMPTY)
     state_pages = dict.fromkeys(conn.state_groups, PagelessRegion.EMPTY)
-    token_bytes = sum(layout.group(g).page_bytes for g in conn.token_groups)
-    state_bytes = sum(layout.group(g).page_bytes for g in conn.state_groups)
+    token_bytes, state_bytes = layout.block_bytes, layout.state_bytes
     truth = PrefixTruth(B)
     n = prompt = saved = servable = wrong = 0
     flops = 0.0
