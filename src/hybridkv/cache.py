@@ -478,8 +478,8 @@ class TieredCache:
         caller fills the slots (``write``, or a worker process through the shared region)
         and ends every reservation with ``complete_store``. ``cold``: the pages are evicted
         before older ones unless a hit uses them (a request the insertion policy expects no
-        reuse of). ``spare``: pages nobody asked to keep, taken only into free slots (cold,
-        evicting nothing) and kept in RAM only until a hit uses them or a store asks for them
+        reuse of). ``spare``: pages nobody asked to keep, taken only into free room (cold,
+        evicting nothing; see ``free_slots``) and kept in RAM only until a hit uses them or a store asks for them
         (then written through)."""
         keys = {gid: list(ks) for gid, ks in keys.items() if ks}
         if not keys:
@@ -493,7 +493,8 @@ class TieredCache:
         return plans
 
     def free_slots(self, group: int) -> int:
-        """RAM slots of ``group`` that hold nothing: a spare store fits without evicting."""
+        """RAM slots a store to ``group`` could fill without evicting a page (over an arena,
+        with segments its kind could take from free room): a spare store fits."""
         return self.pools.free_slots(group)
 
     def write(self, group: int, slot: int, page) -> None:

@@ -483,8 +483,8 @@ class Connector:
     # -- stores -----------------------------------------------------------------------------
     def wants_state(self, req: RequestState, boundary: int) -> bool:
         """Must the engine snapshot the recurrent state at this boundary? Yes where the
-        retention keeps it, and for any other servable boundary while RAM has a free slot in
-        every state group (a spare state, see ``is_spare``)."""
+        retention keeps it, and for any other servable boundary while RAM has room for a state
+        without evicting a page (a spare state, see ``is_spare``)."""
         if not self.state_groups or self._over_cap(req, boundary):
             return False
         if req.retention.keeps(boundary, req.n_tokens, req.hit.junction):
@@ -495,7 +495,7 @@ class Connector:
         return self._spare_room()
 
     def is_spare(self, req: RequestState, kind: PageKind, position: int) -> bool:
-        """A state the retention does not keep: stored only into free RAM slots, cold, and in
+        """A state the retention does not keep: stored only into free RAM room, cold, and in
         RAM only until a hit uses it (``prepare_store(spare=True)``). Until RAM fills, such states serve what a denser
         retention would (a second request branching where no kept state is); they never
         displace a page, so where RAM is full they cost nothing."""

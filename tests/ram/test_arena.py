@@ -92,6 +92,34 @@ def test_a_spare_state_takes_free_room_only(tmp_path):
         assert cache.stats()["arena"]["moves"] == 0
 
 
+@pytest.mark.parametrize("free_kv", [(MOVE_MARGIN + 1) * KV_ROWS, (MOVE_MARGIN + 1) * KV_ROWS - 1])
+def test_a_spare_state_grows_its_kind_only_from_the_other_kinds_free_segments(tmp_path, free_kv):
+    """Spare states never evict, yet must not be shut out while the attention pages sit on
+    empty segments: a unit moves where their free slots alone cover it and the margin."""
+    with cache_of(tmp_path) as cache:
+        kv, states = cache.pools.pool(0), cache.pools.pool(1)
+        n_kv, n_states = kv.capacity, states.capacity
+        fill(cache, 0, range(n_kv - free_kv))
+        fill(cache, 1, range(100, 100 + n_states))
+        enough = free_kv >= (MOVE_MARGIN + 1) * KV_ROWS
+        assert (cache.free_slots(1) > 0) == enough
+        plans = cache.prepare_store({1: [key(999)]}, spare=True)
+        assert (plans is not None) == enough
+        if plans is None:
+            assert cache.stats()["arena"]["moves"] == 0 and states.capacity == n_states
+            return
+        cache.write(1, plans[1].slots[0], page(1, 999))
+        cache.complete_store(plans)
+        assert cache.stats()["arena"]["moves"] == 1
+        assert (kv.capacity, states.capacity) == (n_kv - KV_ROWS, n_states + 1)
+        assert all(key(i) in kv for i in range(n_kv - free_kv))            # no page evicted
+        assert all(key(100 + i) in states for i in range(n_states))
+        for gid, i in [*((0, i) for i in range(n_kv - free_kv)), (1, 999)]:
+            load, views = load_now(cache, {gid: [key(i)]})
+            assert np.array_equal(views[gid][0], page(gid, i)), (gid, i)
+            cache.release(load)
+
+
 def test_a_static_split_keeps_the_plan(tmp_path):
     with cache_of(tmp_path, ram_split="static") as cache:
         assert cache.stats()["arena"] is None

@@ -101,11 +101,15 @@ class Arena:
         """The segments holding this group's first ``slots`` local slots."""
         return self.owned[gid][:-(-slots // self.rows[gid])]
 
+    def can_take_unowned(self, kind: str) -> bool:
+        """Are enough segments nobody owns left for a unit of ``kind``?"""
+        return len(self.unowned) >= self.unit(kind)[1] * len(self.kinds[kind])
+
     def take_unowned(self, kind: str) -> bool:
         """Give each of ``kind``'s groups its unit from the segments nobody owns, if enough are left."""
-        each = self.unit(kind)[1]
-        if len(self.unowned) < each * len(self.kinds[kind]):
+        if not self.can_take_unowned(kind):
             return False
+        each = self.unit(kind)[1]
         for gid in self.kinds[kind]:
             self.owned[gid] += [self.unowned.pop() for _ in range(each)]
         self.moves += 1

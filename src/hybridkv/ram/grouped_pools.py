@@ -13,7 +13,10 @@ segments from the other kind where that kind's free slots and the pages one LRU 
 evict before any of this kind's cover the unit and ``MOVE_MARGIN`` units more. The giving
 pools evict their oldest pages until the unit's slots are free, and move the pages still in
 those segments into free slots lower down (``relocated``: the owner of the bytes copies
-them). Slots leaving the pools are then arena rows (``Arena.to_rows``).
+them). Slots leaving the pools are then arena rows (``Arena.to_rows``). A spare store, which
+never evicts, takes a unit only where the other kind's free slots alone cover it and the
+margin: otherwise spare states could never grow their kind's share while the other kind sits
+on empty segments.
 """
 
 from __future__ import annotations
@@ -79,7 +82,15 @@ class GroupedPools:
         return self.pools[group_id]
 
     def free_slots(self, group_id: int) -> int:
-        return self.pools[group_id].free_count()
+        """Slots a store to this group could fill without evicting a page: the pool's free
+        slots or, over an arena, the unit of segments it could take from free room."""
+        free = self.pools[group_id].free_count()
+        if free or self.arena is None:
+            return free
+        kind = self.arena.kind_of(group_id)
+        if self.arena.can_take_unowned(kind) or self._other_can_give(kind, free_only=True):
+            return self.arena.unit(kind)[1] * self.arena.rows[group_id]
+        return 0
 
     def slot_of(self, group_id: int, key) -> int:
         """Where a resident key's page lies (its arena row, over an arena)."""
@@ -132,13 +143,13 @@ class GroupedPools:
         ``cold``: the new keys enter the eviction order where it evicts first (``mark_cold``);
         ``spare``: cold, and only into free slots: such a store never evicts a page."""
         news = {gid: self.pools[gid].new_keys(ks) for gid, ks in keys.items()}
-        if spare and any(len(news[gid]) > self.pools[gid].free_count() for gid in keys):
-            return None
-        if self.arena is not None and not spare:
+        if self.arena is not None:
             for gid in keys:
-                self._make_room(gid, len(news[gid]))
+                self._make_room(gid, len(news[gid]), free_only=spare)
             if len({self.arena.kind_of(gid) for gid in keys}) > 1:   # a move evicts the other kind only
                 news = {gid: self.pools[gid].new_keys(ks) for gid, ks in keys.items()}
+        if spare and any(len(news[gid]) > self.pools[gid].free_count() for gid in keys):
+            return None
         for gid, ks in keys.items():
             if not self.pools[gid].can_place(ks, news[gid]):
                 self.pools[gid].store_refusals += 1
@@ -162,40 +173,49 @@ class GroupedPools:
         return plans
 
     # -- one budget over an arena -----------------------------------------------------------
-    def _make_room(self, group_id: int, need: int) -> None:
+    def _make_room(self, group_id: int, need: int, free_only: bool = False) -> None:
         """Before a store in this group evicts: take units of segments nobody owns, then from
-        the other kind while it holds enough pages older than any of this kind's."""
+        the other kind while it holds enough pages older than any of this kind's (``free_only``:
+        enough free slots, so that no page is evicted)."""
         arena = self.arena
         kind = arena.kind_of(group_id)
         while self.pools[group_id].free_count() < need:
-            if not (arena.take_unowned(kind) or self._take_from_other(kind)):
+            if not (arena.take_unowned(kind) or self._take_from_other(kind, free_only)):
                 return
             for gid in arena.kinds[kind]:
                 self.pools[gid].set_capacity(arena.capacity(gid))
 
-    def _take_from_other(self, kind: str) -> bool:
-        """Empty one unit of the other kind's last segments and hand it to ``kind``'s groups;
-        False (segments unmoved) where the other kind holds too few older pages or cannot give."""
+    def _other_can_give(self, kind: str, free_only: bool) -> bool:
+        """Could the other kind give ``kind`` a unit of segments: one LRU order would fill the
+        unit's room, and ``MOVE_MARGIN`` units more, from the other kind's free slots and from
+        pages it evicts before any of this kind's (``free_only``: from free slots alone)? The
+        margin makes moves follow lasting shifts of the traffic, not one request's."""
         arena = self.arena
         donors = arena.kinds[arena.other(kind)]
         give = arena.unit(kind)[0]
         if any(len(arena.owned[gid]) <= give for gid in donors):
             return False
+        wants = {gid: (1 + MOVE_MARGIN) * give * arena.rows[gid] - self.pools[gid].free_count() for gid in donors}
+        if all(n <= 0 for n in wants.values()):
+            return True
+        if free_only:
+            return False
         mine = [self.pools[gid].oldest() for gid in arena.kinds[kind]]
         before = min((m for m in mine if m is not None), default=NEWEST)
-        unit = {gid: give * arena.rows[gid] for gid in donors}      # slots each donor gives
-        free = {gid: self.pools[gid].free_count() for gid in donors}
-        # one LRU order would fill the unit's room, and MOVE_MARGIN units more, from the other
-        # kind's free slots and from pages it evicts before any of this kind's: moves follow
-        # lasting shifts of the traffic, not one request's
-        wants = {gid: (1 + MOVE_MARGIN) * unit[gid] - free[gid] for gid in donors}
-        if any(n > 0 and self.pools[gid].older_than(before, n) < n for gid, n in wants.items()):
+        return all(n <= 0 or self.pools[gid].older_than(before, n) >= n for gid, n in wants.items())
+
+    def _take_from_other(self, kind: str, free_only: bool = False) -> bool:
+        """Empty one unit of the other kind's last segments and hand it to ``kind``'s groups;
+        False (segments unmoved) where the other kind cannot give (``_other_can_give``)."""
+        if not self._other_can_give(kind, free_only):
             return False
+        arena = self.arena
         shrunk = []
-        for gid in donors:
+        for gid in arena.kinds[arena.other(kind)]:
             pool = self.pools[gid]
-            short = unit[gid] - free[gid]
-            target = pool.capacity - unit[gid]
+            unit = arena.unit(kind)[0] * arena.rows[gid]      # slots this donor gives
+            short = unit - pool.free_count()
+            target = pool.capacity - unit
             victims = pool.evict_lru(short) if short > 0 else []
             if victims is None:
                 break
