@@ -90,7 +90,7 @@ class CacheConfig:
     ram_split: str = setting("shared", "how RAM divides between attention pages and states: shared (default: one arena whose segments move to the kind whose least recently used page is younger; lru only) or static (as planned for reference_tokens)")
     insertion: str = setting("adaptive", "where new pages enter RAM's eviction order: adaptive (default: learned from the traffic), warm (always recent, plain LRU) or cold (a request that found under half its prompt cached stores at the evicted-first end)")
     retention: int | str | None = setting(AUTO, "recurrent states kept besides each prompt's own and the junctions: auto (default: one every ~16K tokens), 0 (none), every N tokens, or dense (one at every block)")
-    spare_states: bool = setting(True, "also keep states the retention does not ask for while RAM has free state slots: cold, never evicting a page, in RAM only until a hit uses one (default true)")
+    spare_states: bool = setting(True, "also keep states the retention does not ask for while RAM has room for them: cold, never evicting a page, in RAM only until a hit uses one (default true)")
     tail_states: int = setting(1, "states also kept this many blocks before each prompt's end, for follow-ups that change its last block (default 1)")
     state_align: int | None = setting(None, "where each prompt's own state is kept: auto (default, learned from where prompts diverge), 0 (its replay boundary) or N (the deepest multiple of N tokens)")
     reference_tokens: int | None = setting(None, "typical request length the pools are sized for (default: the model's maximum)")

@@ -498,7 +498,7 @@ class Connector:
         """A state the retention does not keep: stored only into free RAM room, cold, and in
         RAM only until a hit uses it (``prepare_store(spare=True)``). Until RAM fills, such states serve what a denser
         retention would (a second request branching where no kept state is); they never
-        displace a page, so where RAM is full they cost nothing."""
+        evict a page, so where RAM is full they are not stored."""
         return (self.spare_states and kind is PageKind.STATE
                 and not req.retention.keeps(position, req.n_tokens, req.hit.junction))
 
@@ -529,7 +529,7 @@ class Connector:
         self._try_store(req, offer)
 
     def _try_store(self, req: RequestState, offer: Offer) -> bool:
-        """Store a pending offer; a spare one that finds no free slot is dropped, not retried."""
+        """Store a pending offer; a spare one that finds no free room is dropped, not retried."""
         pages = req.pending[offer]
         spare = self.is_spare(req, offer.kind, offer.position)
         stored = store_pages(self.cache, pages, req.ticket.cold, spare)

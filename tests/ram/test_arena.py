@@ -99,8 +99,11 @@ def test_a_spare_state_grows_its_kind_only_from_the_other_kinds_free_segments(tm
     with cache_of(tmp_path) as cache:
         kv, states = cache.pools.pool(0), cache.pools.pool(1)
         n_kv, n_states = kv.capacity, states.capacity
-        fill(cache, 0, range(n_kv - free_kv))
+        held = cache.prepare_store({0: [key(5000 + i) for i in range(free_kv)]})    # the lowest slots...
+        fill(cache, 0, range(n_kv - free_kv))                                    # ...the rest, the last segment too
+        cache.complete_store(held, ok=False)                                     # free room lies low
         fill(cache, 1, range(100, 100 + n_states))
+        last = [i for i in range(n_kv - free_kv) if kv.slot_of(key(i)) >= n_kv - KV_ROWS]
         enough = free_kv >= (MOVE_MARGIN + 1) * KV_ROWS
         assert (cache.free_slots(1) > 0) == enough
         plans = cache.prepare_store({1: [key(999)]}, spare=True)
@@ -113,6 +116,7 @@ def test_a_spare_state_grows_its_kind_only_from_the_other_kinds_free_segments(tm
         assert cache.stats()["arena"]["moves"] == 1
         assert (kv.capacity, states.capacity) == (n_kv - KV_ROWS, n_states + 1)
         assert all(key(i) in kv for i in range(n_kv - free_kv))            # no page evicted
+        assert last and all(kv.slot_of(key(i)) < n_kv - KV_ROWS for i in last)   # moved out of the unit
         assert all(key(100 + i) in states for i in range(n_states))
         for gid, i in [*((0, i) for i in range(n_kv - free_kv)), (1, 999)]:
             load, views = load_now(cache, {gid: [key(i)]})

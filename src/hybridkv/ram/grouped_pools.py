@@ -83,7 +83,8 @@ class GroupedPools:
 
     def free_slots(self, group_id: int) -> int:
         """Slots a store to this group could fill without evicting a page: the pool's free
-        slots or, over an arena, the unit of segments it could take from free room."""
+        slots or, over an arena, the unit of segments it could take from free room (a page
+        pinned in that unit can still make the store wait)."""
         free = self.pools[group_id].free_count()
         if free or self.arena is None:
             return free
@@ -141,7 +142,8 @@ class GroupedPools:
     def prepare_store(self, keys: GroupKeys, cold: bool = False, spare: bool = False) -> dict[int, StorePlan] | None:
         """All groups place their keys, or none does (None = retry later, nothing changed).
         ``cold``: the new keys enter the eviction order where it evicts first (``mark_cold``);
-        ``spare``: cold, and only into free slots: such a store never evicts a page."""
+        ``spare``: cold, and only into free slots (over an arena, segments the other kind holds
+        free may move): such a store never evicts a page."""
         news = {gid: self.pools[gid].new_keys(ks) for gid, ks in keys.items()}
         if self.arena is not None:
             for gid in keys:

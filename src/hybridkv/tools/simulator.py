@@ -64,7 +64,7 @@ class Policy:
     prompt's own state sits (0: its replay boundary, None: learned from the traffic);
     ``insertion``: where new pages enter the eviction order (warm: plain LRU, cold, or
     adaptive: learned from the traffic); ``spare``: also store the states it does not keep
-    while RAM has free state slots (cold, evicting nothing); ``ram_split``: shared (attention
+    while RAM has room for them (cold, evicting nothing); ``ram_split``: shared (attention
     pages and states draw on one arena) or static (as planned for the reference prompt)."""
 
     name: str

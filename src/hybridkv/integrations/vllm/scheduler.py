@@ -421,7 +421,7 @@ class SchedulerSide:
     def _reserve(self, ctx: _Request, kind: PageKind, groups: list[int], blocks: list[int], block_ids,
                  plan: StepPlan, spare: bool = False) -> bool:
         """One reservation for these blocks' pages in ``groups``; False where RAM refused it.
-        ``spare``: only into free slots (``Connector.is_spare``)."""
+        ``spare``: only into free room (``Connector.is_spare``)."""
         keys = ctx.state.keys
         plans = self.cache.prepare_store({gid: [keys[j] for j in blocks] for gid in groups}, ctx.state.ticket.cold,
                                          spare)
