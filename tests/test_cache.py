@@ -134,10 +134,11 @@ def replan_when_ready(cache, reference_tokens) -> bool:
 
 
 def test_replan_waits_until_nothing_in_ram_is_in_use_then_swaps_the_regions(tmp_path):
-    """New pools and regions for another prompt length, made off the caller's thread; the
-    old files go, the disk keeps what was written through, and nothing changes while a page
-    is pinned or being written."""
-    config = CacheConfig(block_tokens=16, ram_bytes=1024**2, ram_dir=str(tmp_path), store=str(tmp_path / "s"))
+    """Split statically: new pools and regions for another prompt length, made off the
+    caller's thread; the old files go, the disk keeps what was written through, and nothing
+    changes while a page is pinned or being written."""
+    config = CacheConfig(block_tokens=16, ram_bytes=1024**2, ram_dir=str(tmp_path), store=str(tmp_path / "s"),
+                         ram_split="static")
     with TieredCache(LAYOUT, config) as cache:
         assert store_pages(cache, {0: [(key(1), page(0, 1))], 1: [(key(1), page(1, 1))]})
         assert not cache.replan(64)                     # starts making the regions; pages pinned
@@ -159,10 +160,30 @@ def test_replan_waits_until_nothing_in_ram_is_in_use_then_swaps_the_regions(tmp_
         cache.release(load)
 
 
+def test_replan_over_one_arena_keeps_every_page_and_region(tmp_path):
+    """RAM's groups share one arena whose split follows the traffic: a re-plan changes the
+    plan only, at once, even while a page is pinned, and every page still loads."""
+    config = CacheConfig(block_tokens=16, ram_bytes=1024**2, ram_dir=str(tmp_path))
+    with TieredCache(LAYOUT, config) as cache:
+        assert cache.shared_ram_bytes is not None
+        assert store_pages(cache, {0: [(key(1), page(0, 1))], 1: [(key(1), page(1, 1))]})
+        regions = dict(cache.regions)
+        load, _ = load_now(cache, {0: [key(1)]})
+        states_before = cache.plan.slots_per_group()[1]
+        assert cache.replan(64)
+        assert cache.plan.reference_tokens == 64 and cache.plan.slots_per_group()[1] > states_before
+        assert cache.regions == regions and all(r.path.exists() for r in regions.values())
+        cache.release(load)
+        load, views = load_now(cache, {0: [key(1)], 1: [key(1)]})
+        assert np.array_equal(views[0][0], page(0, 1)) and np.array_equal(views[1][0], page(1, 1))
+        cache.release(load)
+
+
 def test_a_replan_whose_regions_cannot_be_made_changes_nothing(tmp_path):
     ram = tmp_path / "ram"
     ram.mkdir()
-    with TieredCache(LAYOUT, CacheConfig(block_tokens=16, ram_bytes=1024**2, ram_dir=str(ram))) as cache:
+    config = CacheConfig(block_tokens=16, ram_bytes=1024**2, ram_dir=str(ram), ram_split="static")
+    with TieredCache(LAYOUT, config) as cache:
         plan = cache.plan
         shutil.rmtree(ram)                              # the new regions have nowhere to go
         with pytest.raises(HybridKVError, match="cannot re-plan RAM: ram_dir .* does not exist"):

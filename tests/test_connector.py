@@ -552,10 +552,13 @@ def test_reference_learner_looks_early_then_less_often_and_only_asks_when_far_of
     assert learner.next_look == 4 * first
 
 
-def test_ram_is_replanned_for_the_traffic_when_no_reference_was_given(tmp_path):
+@pytest.mark.parametrize("split", ["static", "shared"])
+def test_ram_is_replanned_for_the_traffic_when_no_reference_was_given(tmp_path, split):
     """Unset, RAM is split for the model's longest prompts; once the traffic shows much
-    shorter ones, the cache re-plans for them (more state slots), and a hit works after."""
-    ram_only = CacheConfig(block_tokens=B, ram_bytes=1024**2, ram_dir=str(tmp_path))
+    shorter ones, the cache re-plans for them (more state slots), and a hit works after.
+    Split statically, RAM's pages went with the old regions; over one arena they stay, and
+    so do the learned insertion's shadows (at the new plan's sizes)."""
+    ram_only = CacheConfig(block_tokens=B, ram_bytes=1024**2, ram_dir=str(tmp_path), ram_split=split)
     with TieredCache(LAYOUT, ram_only) as cache:
         conn = Connector(cache)
         assert cache.plan.reference_tokens == LAYOUT.max_model_len
@@ -569,6 +572,12 @@ def test_ram_is_replanned_for_the_traffic_when_no_reference_was_given(tmp_path):
         assert conn.stats["replans"] == 1 and cache.plan.reference_tokens == 5 * B
         assert conn.stats["reference_tokens"] == 5 * B and i + 1 >= ReferenceLearner.FIRST
         assert cache.plan.slots_per_group()[1] > before
+        shadow = conn.insertion.shadows[0]
+        assert (shadow.block_slots, shadow.state_slots) == (cache.plan.token_slots, cache.plan.slots_per_group()[1])
+        assert (len(shadow.blocks) > 0) == (split == "shared")
+        req = conn.begin("kept", prompt)               # the prefix every request shared
+        assert req.hit_tokens == (4 * B if split == "shared" else 0)
+        conn.finish(req)
         _serve(conn, "again", prompt)
         req = conn.begin("hit", prompt)               # served from RAM's new regions
         assert req.hit_tokens == 4 * B
@@ -584,7 +593,8 @@ def test_ram_is_replanned_for_the_traffic_when_no_reference_was_given(tmp_path):
 def test_a_replan_that_cannot_be_made_stops_the_learning_with_a_warning(tmp_path, caplog):
     ram = tmp_path / "ram"
     ram.mkdir()
-    with TieredCache(LAYOUT, CacheConfig(block_tokens=B, ram_bytes=1024**2, ram_dir=str(ram))) as cache:
+    config = CacheConfig(block_tokens=B, ram_bytes=1024**2, ram_dir=str(ram), ram_split="static")
+    with TieredCache(LAYOUT, config) as cache:
         conn = Connector(cache)
         shutil.rmtree(ram)
         for i in range(ReferenceLearner.FIRST + 200):

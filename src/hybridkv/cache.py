@@ -248,13 +248,20 @@ class TieredCache:
                           reference_tokens, config.engine_block_tokens, config.tail_states)
 
     def replan(self, reference_tokens: int) -> bool:
-        """Split RAM for prompts of ``reference_tokens`` instead: new pools and regions, the RAM
-        pages dropped (a secondary tier keeps what was written through). It takes two calls at
-        least: the first starts making the new regions on a thread of its own (zeroing gigabytes
-        on the engine's thread would stall it for seconds); a later one, once they are made and
-        no RAM page is pinned, being written or read into, swaps them in and returns True. Until
-        then it returns False and changes nothing. Raises ``HybridKVError`` when the regions
-        cannot be made (e.g. too little room for old and new at once); nothing changed then."""
+        """Split RAM for prompts of ``reference_tokens`` instead. Where the groups share one
+        budget (``shared_ram_bytes``) only the plan changes: the split already follows the
+        traffic, and what the plan still sizes is the connector's shadows; no page is dropped,
+        True at once. Split statically: new pools and
+        regions, the RAM pages dropped (a secondary tier keeps what was written through). That
+        takes two calls at least: the first starts making the new regions on a thread of its own
+        (zeroing gigabytes on the engine's thread would stall it for seconds); a later one, once
+        they are made and no RAM page is pinned, being written or read into, swaps them in and
+        returns True. Until then it returns False and changes nothing. Raises
+        ``HybridKVError`` when the regions cannot be made (e.g. too little room for old and new
+        at once); nothing changed then."""
+        if self.shared_ram_bytes is not None:
+            self.plan = self._plan(reference_tokens)
+            return True
         coming = self._coming
         if coming is None or coming.plan.reference_tokens != reference_tokens:
             if coming is not None:

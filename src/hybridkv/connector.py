@@ -133,7 +133,7 @@ class ReferenceLearner:
     far too small where prompts are shorter). After ``FIRST`` requests, then twice as many each
     time up to every ``EVERY``, it compares the mean so far with what the pools are planned
     for; more than ``FACTOR`` apart either way, it wants a re-plan for the mean until told it
-    happened (each re-plan empties RAM, so early and rarely). A request counts once, however
+    happened (a re-plan of a static split empties RAM, so early and rarely). A request counts once, however
     often an engine looks it up or finishes it (vLLM: waiting, preempted)."""
 
     FIRST = 32
@@ -581,7 +581,9 @@ class Connector:
 
     def _learn_reference(self, req: RequestState) -> None:
         """Re-plan the RAM pools for the traffic's mean prompt once it is known and far from the
-        planned one (the cache swaps at a moment no RAM page is in use; RAM is emptied)."""
+        planned one. Split statically, the cache swaps them at a moment no RAM page is in use
+        and RAM is emptied; sharing one budget, RAM keeps its pages and only the shadows the
+        plan sizes change."""
         want = self.reference.observe(req.request_id, req.n_tokens, self.cache.plan.reference_tokens)
         if want is None:
             return
@@ -594,8 +596,13 @@ class Connector:
             self.reference = None
             return
         self.reference.replanned()
-        self._renew_learners()
+        kept = self.cache.shared_ram_bytes is not None
+        if kept:
+            self.insertion.resize(*self._shadow_slots())    # RAM kept its pages: the shadows keep theirs
+        else:
+            self._renew_learners()
         self.stats["replans"] += 1
         self.stats["reference_tokens"] = want
-        log.info("RAM re-planned for %d-token prompts, the mean of the %d so far (reference_tokens is not "
-                 "set); the pages RAM held were dropped", want, self.reference.prompts)
+        log.info("RAM re-planned for %d-token prompts, the mean of the %d so far (reference_tokens is not set); %s",
+                 want, self.reference.prompts, "its pages kept (its split follows the traffic)" if kept
+                 else "the pages RAM held were dropped")

@@ -129,12 +129,14 @@ def test_cli_bad_layout_file(tmp_path):
 
 
 def test_a_server_not_told_the_prompt_length_is_warned_only_where_states_are_cached():
-    """Split for the model's longest prompts, RAM holds states for a few requests where prompts
-    are short until it re-plans: a server says so once at start, with the setting to give."""
+    """Split statically for the model's longest prompts, RAM holds states for a few requests
+    where prompts are short until it re-plans: a server says so once at start, with the
+    setting to give. One budget shared by the groups follows the traffic: nothing to say."""
     hybrid = load_layout(LAYOUTS / "seed-flash-next.json")
-    warning = unset_reference_warning(hybrid, None)
+    warning = unset_reference_warning(hybrid, None, False)
     assert f"for {hybrid.max_model_len}-token prompts" in warning and "Set it to your mean" in warning
-    assert unset_reference_warning(hybrid, 8192) is None
+    assert unset_reference_warning(hybrid, 8192, False) is None
+    assert unset_reference_warning(hybrid, None, True) is None
     attention_only = layout_from_dict({"model": "kv", "block_tokens": 16, "max_model_len": 4096,
                                        "groups": [{"id": 0, "kind": "attention", "page_bytes": 4096}]})
-    assert unset_reference_warning(attention_only, None) is None
+    assert unset_reference_warning(attention_only, None, False) is None

@@ -73,6 +73,11 @@ class Insertion:
         # A fixed seed: a replay's result does not depend on what ran before it.
         self._draw = random.Random(0)
 
+    def resize(self, block_slots: int, state_slots: int | None) -> None:
+        """RAM was re-planned without losing its pages: the shadows keep theirs, at the new sizes."""
+        for shadow in self.shadows or ():
+            shadow.resize(block_slots, state_slots)
+
     @property
     def prefers_cold(self) -> bool:
         return self.mode == "cold" or (self.mode == "adaptive" and self.score > 0)

@@ -64,10 +64,13 @@ def default_reference_tokens(layout: Layout) -> int:
     return layout.max_model_len or 64 * layout.block_tokens
 
 
-def unset_reference_warning(layout: Layout, reference_tokens: int | None) -> str | None:
-    """What a server should say at start when nobody said how long prompts are: RAM is split
-    for the longest ones until the traffic has shown its mean; None when there is nothing to say."""
-    if reference_tokens is not None or not any(g.kind is GroupKind.STATE for g in layout.cacheable_groups):
+def unset_reference_warning(layout: Layout, reference_tokens: int | None, shared_budget: bool) -> str | None:
+    """What a server should say at start when nobody said how long prompts are: RAM split
+    statically is split for the longest ones until the traffic has shown its mean, then
+    emptied. None when there is nothing to say: the length is given, no state is cached, or
+    the groups share one budget (``shared_budget``: the split follows the traffic anyway)."""
+    if (reference_tokens is not None or shared_budget
+            or not any(g.kind is GroupKind.STATE for g in layout.cacheable_groups)):
         return None
     return (f"reference_tokens is not set: RAM is split between KV and states for "
             f"{default_reference_tokens(layout)}-token prompts (too few states for shorter ones) until the "

@@ -113,6 +113,13 @@ class ShadowCache(Shadow):
     def state_room(self) -> bool:
         return len(self.states) < self.state_slots
 
+    def resize(self, block_slots: int, state_slots: int | None) -> None:
+        """New sizes; where smaller, the keys LRU evicts first leave."""
+        self.block_slots, self.state_slots = block_slots, state_slots
+        for order, slots in ((self.blocks, block_slots), (self.states, state_slots)):
+            while order is not None and len(order) > slots:
+                order.popitem(last=False)
+
     def use(self, key: bytes, state: bool) -> None:
         order = self.states if state else self.blocks
         self._put(order, self.state_slots if state else self.block_slots, key, False)

@@ -113,9 +113,10 @@ class SchedulerSide:
                 "serve a local checkpoint directory, or leave out store and remote (RAM only)")
         self.async_promotion = async_promotion(extra, vllm_config)     # refused before any region exists
         self.within_step = load_within_step(extra, kv_cache_config)
-        if (warning := unset_reference_warning(self.layout, config.reference_tokens)) is not None:
-            log.warning("hybridkv: %s", warning)
         self.cache = TieredCache(self.layout, config)
+        shared = self.cache.shared_ram_bytes is not None
+        if (warning := unset_reference_warning(self.layout, config.reference_tokens, shared)) is not None:
+            log.warning("hybridkv: %s", warning)
         self.connector = Connector(self.cache)
         self.stats = SchedulerStats()
         self.stats_file = StatsFile(extra["stats_file"]) if extra.get("stats_file") else None
@@ -132,7 +133,7 @@ class SchedulerSide:
         self._within_loads: dict[str, _Request] = {}  # load id -> its request, until every rank loaded
         self._next_load = 0
         self._ranks_mapped: set[int] = set()          # ranks whose worker holds the regions mapped
-        self._plan_of_infos = None                    # the cache plan _infos were made for
+        self._regions_of_infos: tuple = ()            # the cache regions _infos were made for
         self._infos: dict[int, RegionInfo] = {}       # the regions the step plans name
         self._closed = False
         self.history: deque[dict] = deque(maxlen=256)     # the last finished requests, for operators
@@ -305,11 +306,13 @@ class SchedulerSide:
 
     # -- stores -----------------------------------------------------------------------------
     def _region_infos(self) -> dict[int, RegionInfo]:
-        """What a worker needs to map each region, made again only when the cache's plan is
-        new: after it re-planned RAM the paths are new, and no rank has mapped them, so loads
-        go to steps of their own until each has."""
-        if self.cache.plan is not self._plan_of_infos:
-            self._plan_of_infos = self.cache.plan
+        """What a worker needs to map each region, made again only when the cache's regions
+        are new: after it re-planned a static split the paths are new, and no rank has mapped
+        them, so loads go to steps of their own until each has."""
+        regions = tuple(self.cache.regions.values())
+        if len(regions) != len(self._regions_of_infos) or any(
+                a is not b for a, b in zip(regions, self._regions_of_infos, strict=True)):
+            self._regions_of_infos = regions
             self._infos = {gid: RegionInfo(str(r.path), r.slots, r.page_bytes) for gid, r in self.cache.regions.items()}
             self._ranks_mapped.clear()
         return self._infos
