@@ -251,14 +251,13 @@ class TieredCache:
         """Split RAM for prompts of ``reference_tokens`` instead. Where the groups share one
         budget (``shared_ram_bytes``) only the plan changes: the split already follows the
         traffic, and what the plan still sizes is the connector's shadows; no page is dropped,
-        True at once. Split statically: new pools and
-        regions, the RAM pages dropped (a secondary tier keeps what was written through). That
-        takes two calls at least: the first starts making the new regions on a thread of its own
-        (zeroing gigabytes on the engine's thread would stall it for seconds); a later one, once
-        they are made and no RAM page is pinned, being written or read into, swaps them in and
-        returns True. Until then it returns False and changes nothing. Raises
-        ``HybridKVError`` when the regions cannot be made (e.g. too little room for old and new
-        at once); nothing changed then."""
+        True at once. Split statically: new pools and regions, the RAM pages dropped (a
+        secondary tier keeps what was written through). That takes two calls at least: the
+        first starts making the new regions on a thread of its own (zeroing gigabytes on the
+        engine's thread would stall it for seconds); a later one, once they are made and no RAM
+        page is pinned, being written or read into, swaps them in and returns True. Until then
+        it returns False and changes nothing. Raises ``HybridKVError`` when the regions cannot
+        be made (e.g. too little room for old and new at once); nothing changed then."""
         if self.shared_ram_bytes is not None:
             self.plan = self._plan(reference_tokens)
             return True
@@ -486,8 +485,8 @@ class TieredCache:
         and ends every reservation with ``complete_store``. ``cold``: the pages are evicted
         before older ones unless a hit uses them (a request the insertion policy expects no
         reuse of). ``spare``: pages nobody asked to keep, taken only into free room (cold,
-        evicting nothing; see ``free_slots``) and kept in RAM only until a hit uses them or a store asks for them
-        (then written through)."""
+        evicting nothing; see ``free_slots``) and kept in RAM only until a hit uses them or a
+        store asks for them (then written through)."""
         keys = {gid: list(ks) for gid, ks in keys.items() if ks}
         if not keys:
             return {}

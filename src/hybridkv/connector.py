@@ -133,8 +133,8 @@ class ReferenceLearner:
     far too small where prompts are shorter). After ``FIRST`` requests, then twice as many each
     time up to every ``EVERY``, it compares the mean so far with what the pools are planned
     for; more than ``FACTOR`` apart either way, it wants a re-plan for the mean until told it
-    happened (a re-plan of a static split empties RAM, so early and rarely). A request counts once, however
-    often an engine looks it up or finishes it (vLLM: waiting, preempted)."""
+    happened (a re-plan of a static split empties RAM, so early and rarely). A request counts
+    once, however often an engine looks it up or finishes it (vLLM: waiting, preempted)."""
 
     FIRST = 32
     EVERY = 256
