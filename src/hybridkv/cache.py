@@ -102,7 +102,7 @@ class PageCache(Protocol):
 
     layout: Layout
     config: CacheConfig
-    plan: Plan                                             # how RAM is split between groups
+    plan: Plan           # how RAM is split between groups (over an arena: where the split starts)
     regions: Mapping[int, SharedRegion | RegionView | PagelessRegion]   # a worker process maps them by path
 
     @property

@@ -244,8 +244,8 @@ class Connector:
         return self.retention
 
     def _renew_learners(self) -> None:
-        """RAM was re-planned or emptied: shadows as large as it now, the scores kept (the
-        traffic did not change)."""
+        """RAM was emptied (a reset, or a static split re-planned): new shadows as large as it
+        is now, the scores kept (the traffic did not change)."""
         self.insertion = self._new_insertion(self.insertion.score)
         self.periodic = self._new_periodic(self.periodic.score if self.periodic else 0.0)
 
@@ -574,7 +574,7 @@ class Connector:
 
     def _learn_periodic(self, req: RequestState) -> None:
         choice, hits = req.periodic
-        if choice is None or choice is not self.periodic:     # begun before a re-plan or reset
+        if choice is None or choice is not self.periodic:     # begun before RAM was emptied
             return
         choice.finished(req.keys, req.n_tokens, hits, req.retention, req.hit.junction, req.ticket.cold,
                         req.max_stored_tokens, req.spare_boundaries if self.spare_states else None)

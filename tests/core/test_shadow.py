@@ -48,6 +48,25 @@ def test_a_shadow_holds_no_more_than_its_slots_and_cold_keys_leave_first():
     assert all(k in shadow.blocks for k in session(0, 3))
 
 
+def test_a_resized_shadow_keeps_its_keys_and_sheds_the_ones_lru_evicts_first():
+    """RAM re-planned without losing its pages: the shadow keeps what it held, at new sizes."""
+    shadow = ShadowCache(block_slots=6, state_slots=3)
+    for s in range(3):
+        shadow.record(session(s, 2), 0, [2], cold=False)
+    shadow.resize(block_slots=8, state_slots=2)          # more blocks, fewer states
+    assert list(shadow.blocks) == [k for s in range(3) for k in session(s, 2)]
+    assert list(shadow.states) == [session(1, 2)[1], session(2, 2)[1]]     # the oldest state left
+    shadow.resize(block_slots=3, state_slots=2)
+    assert list(shadow.blocks) == [session(1, 2)[1], *session(2, 2)]
+    assert shadow.hit_blocks(session(2, 2), 2) == 2 and shadow.hit_blocks(session(0, 2), 2) == 0
+    shadow.record(session(3, 2), 0, [], cold=False)      # and holds no more than the new sizes
+    assert len(shadow.blocks) == 3
+    attention_only = ShadowCache(block_slots=4, state_slots=None)
+    attention_only.record(session(0, 4), 0, [], cold=False)
+    attention_only.resize(block_slots=2, state_slots=None)
+    assert list(attention_only.blocks) == session(0, 4)[2:]
+
+
 def test_spare_states_enter_a_shadow_only_into_free_room_and_cold():
     """As the cache stores them: a shadow replays spare states where it has room for them, at
     the evicted-first end, and never evicts a kept state for one."""

@@ -97,8 +97,8 @@ def bench_family(family: str, work: Path, reps: int, tp: int = 1) -> dict:
     prompts = {n: _prompts(n, reps) for n in LENGTHS}
     flat = [p for n in LENGTHS for p in prompts[n]]
     one = {"max_tokens": 1}
-    # told the mean prompt, as a configured server is: unset, the cache would re-plan RAM
-    # (emptying it) after 32 requests, in the middle of the RAM-hit pairs
+    # told the mean prompt, as a configured server is: unset, the cache would re-plan RAM after
+    # 32 requests, in the middle of the RAM-hit pairs (emptying it where RAM is split statically)
     connector = {"store": str(work / f"store-{family}-tp{tp}"), "ram_bytes": "1GiB",
                  "reference_tokens": sum(LENGTHS) // len(LENGTHS)}
     Path(connector["store"]).mkdir(parents=True, exist_ok=True)

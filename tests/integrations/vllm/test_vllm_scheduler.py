@@ -134,10 +134,10 @@ def test_under_vllms_default_policy_the_reads_finish_inside_the_lookup(stored):
         scheduler(tmp_path, async_promotion="yes")
 
 
-def fresh_scheduler(tmp_path, tp=1) -> SchedulerSide:
+def fresh_scheduler(tmp_path, tp=1, **extra) -> SchedulerSide:
     config, kv = vllm_objects(block=B, tp=tp)
     config.kv_transfer_config = SimpleNamespace(kv_load_failure_policy="fail")
-    return SchedulerSide(config, kv, {"ram_dir": str(tmp_path), "ram_bytes": "8MiB"})
+    return SchedulerSide(config, kv, {"ram_dir": str(tmp_path), "ram_bytes": "8MiB", **extra})
 
 
 def state_copies(plan):
@@ -668,12 +668,32 @@ def test_the_prompts_own_state_is_asked_for_and_stored_on_the_configured_grid(tm
     side.close()
 
 
+def test_a_replan_over_one_arena_keeps_the_regions_the_workers_mapped_and_their_pages(tmp_path):
+    """Over one arena a re-plan changes only the plan: the regions stay, so no rank has
+    anything to map again, the pages stored before still hit, and their load still runs
+    within the step."""
+    side = fresh_scheduler(tmp_path, ram_bytes="64MiB")
+    assert side.cache.shared_ram_bytes is not None
+    config, kv = vllm_objects(block=B)
+    worker = WorkerSide(config, kv, rank=0)
+    stored_by_workers(side, [worker], [worker_tensors(1)])
+    regions = dict(side.cache.regions)
+    infos = side.plan_step({}, lambda rid: BLOCK_IDS, {}).regions
+    assert side.cache.replan(side.cache.plan.reference_tokens * 4)
+    assert side.cache.regions == regions and all(r.path.exists() for r in regions.values())
+    assert side.plan_step({}, lambda rid: BLOCK_IDS, {}).regions is infos
+    assert side.match(request("r"), 0) == 3 * B and side.loads_within_step("r")
+    side.finish("r")
+    worker.close()
+    side.close()
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_after_the_cache_replans_ram_the_workers_map_the_new_regions_and_store_and_load_there(tmp_path, tp):
     """A cache not told the prompt length re-plans RAM once it has learned it: new regions,
     the old ones dropped. Every rank must map the new ones before its next copy (and unmap
     the old), and a page stored there must load back into each rank's slice bit for bit."""
-    side = fresh_scheduler(tmp_path, tp=tp)
+    side = fresh_scheduler(tmp_path, tp=tp, ram_split="static")
     config, kv = vllm_objects(block=B, tp=tp)
     sources = [worker_tensors(seed) for seed in range(1, tp + 1)]
     workers = [WorkerSide(config, kv, rank=r) for r in range(tp)]
