@@ -309,9 +309,8 @@ class SchedulerSide:
         """What a worker needs to map each region, made again only when the cache's regions
         are new: after it re-planned a static split the paths are new, and no rank has mapped
         them, so loads go to steps of their own until each has."""
-        regions = tuple(self.cache.regions.values())
-        if len(regions) != len(self._regions_of_infos) or any(
-                a is not b for a, b in zip(regions, self._regions_of_infos, strict=True)):
+        regions = tuple(self.cache.regions.values())      # regions compare by identity
+        if regions != self._regions_of_infos:
             self._regions_of_infos = regions
             self._infos = {gid: RegionInfo(str(r.path), r.slots, r.page_bytes) for gid, r in self.cache.regions.items()}
             self._ranks_mapped.clear()
