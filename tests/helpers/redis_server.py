@@ -9,17 +9,24 @@ import time
 import redis
 
 
-def free_port(below: int = 65536) -> int:
-    """A free loopback port; cluster nodes need port + 10000 free too, so ask for one below 55536."""
+def free_port(cluster: bool = False) -> int:
+    """A free loopback port; for a cluster node its bus port (port + 10000) is free too: it
+    lies in the range the kernel hands out to outgoing connections, and a node whose bus port
+    is taken exits at once."""
     for _ in range(200):
-        port = random.randrange(20000, min(below, 60000))
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
+        port = random.randrange(20000, 50000 if cluster else 60000)
+        if all(_bindable(p) for p in ((port, port + 10000) if cluster else (port,))):
             return port
     raise RuntimeError("no free loopback port")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 class RedisServer:
@@ -39,6 +46,8 @@ class RedisServer:
              "--appendonly", "no", *self.extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
         for _ in range(200):               # up to 20 s: a loaded CI machine can be slow
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited at start on port {self.port} (taken meanwhile?)")
             try:
                 client.ping()
                 return self

@@ -298,7 +298,7 @@ def test_redis_cluster_with_chunked_pages(tmp_path):
         for i in range(3):
             node_dir = tmp_path / f"n{i}"
             node_dir.mkdir()
-            server = RedisServer(free_port(below=55536), "--cluster-enabled", "yes", "--cluster-config-file",
+            server = RedisServer(free_port(cluster=True), "--cluster-enabled", "yes", "--cluster-config-file",
                                  str(node_dir / "nodes.conf"), "--dir", str(node_dir))
             nodes.append(server.start())
         subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in nodes],
