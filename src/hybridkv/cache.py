@@ -43,6 +43,7 @@ from hybridkv.ram.regions import (
     SharedRegion,
     remove_stale_regions,
 )
+from hybridkv.ram.relocation import Relocator
 from hybridkv.tiers.base import SecondaryTier, open_tiers
 from hybridkv.tiers.io_queue import batches_of, outcomes
 
@@ -181,6 +182,7 @@ class TieredCache:
         self._spares: dict[int, set[bytes]] = {}          # spare pages not written through (yet)
         self.promotions = Promotions(self.pools, self.regions, self.counters, self.secondaries)
         self._pin_hook, self._pageless = pin_hook, pageless
+        self._relocator = Relocator()
         self._coming: _RegionsInMaking | None = None       # a re-plan's regions, being made
         self._segments_asked: tuple | None = None          # what _map_ahead last asked for
         try:
@@ -470,10 +472,8 @@ class TieredCache:
         to give another kind room (idle pages: no worker reads or writes them meanwhile)."""
         plans = self.pools.prepare_store(keys, cold, spare)
         moved = self.pools.take_relocated()
-        if not self._pageless:
-            for gid, src, dst in moved:
-                region = self.regions[gid]
-                region.array[dst] = region.array[src]
+        if moved and not self._pageless:
+            self._relocator.copy([(self.regions[gid], src, dst) for gid, src, dst in moved])
         return plans
 
     # -- stores -----------------------------------------------------------------------------
@@ -635,6 +635,7 @@ class TieredCache:
                 region.close()
             self.regions.clear()
             self.secondaries.clear()
+            self._relocator.close()
 
     def __enter__(self) -> TieredCache:
         return self

@@ -9,6 +9,7 @@ from hybridkv.cache import TieredCache, store_pages
 from hybridkv.config import CacheConfig
 from hybridkv.core.errors import HybridKVError
 from hybridkv.core.planner import plan_pools
+from hybridkv.ram import relocation
 from hybridkv.ram.arena import MIN_SEGMENTS, Arena
 from hybridkv.ram.grouped_pools import MOVE_MARGIN
 
@@ -39,7 +40,11 @@ def test_the_arena_starts_from_the_planned_split_in_whole_segments():
     assert Arena.for_plan(plan_pools(LAYOUT, (MIN_SEGMENTS - 1) * SEGMENT, 0, 64), LAYOUT) is None
 
 
-def test_states_take_a_segment_whose_attention_pages_keep_their_bytes(tmp_path):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_states_take_a_segment_whose_attention_pages_keep_their_bytes(tmp_path, monkeypatch, threads):
+    # the move's pages are copied by one thread or several (as a move of hundreds of MiB is)
+    monkeypatch.setattr(relocation, "THREADS", threads)
+    monkeypatch.setattr(relocation, "PARALLEL_BYTES", 0)
     with cache_of(tmp_path) as cache:
         kv, states = cache.pools.pool(0), cache.pools.pool(1)
         n_kv, n_states = kv.capacity, states.capacity

@@ -5,6 +5,7 @@ import pytest
 
 from hybridkv.tools.bench_report import plot, tables, vllm_table
 from hybridkv.tools.bench_tiers import (
+    bench_arena_move,
     bench_fs,
     bench_fs_batch,
     bench_fs_startup,
@@ -21,6 +22,9 @@ def test_tier_benchmarks_report_ratios(tmp_path):
     assert ram["copy_gbps"] > 0 and ram["ratio"] == ram["copy_gbps"] / ram["memcpy_gbps"]
     fs = bench_fs(str(tmp_path), page_bytes=1 << 20, pages=4, repeats=1)
     assert fs["buffered"]["read_ratio"] > 0 and fs["mode"] in ("buffered", "direct")
+    move = bench_arena_move(page_bytes=1 << 20, pages=8, repeats=2)
+    assert min(move["one_thread_ms"], move["threaded_ms"], move["memcpy_ms"]) > 0
+    assert move["speedup"] == move["one_thread_ms"] / move["threaded_ms"] and move["threads"] >= 1
 
 
 def test_filesystem_batch_and_startup_benchmarks_report_ratios():
@@ -74,6 +78,7 @@ def test_bench_cli_quick_json_and_report(tmp_path):
     assert "Restore vs recompute" in text and "| hybridkv lru |" in text
     assert "| prompt tokens | pages | reads inside the lookup ms | reads in the background ms |" in text
     assert "batched reads as a promotion does them" in text and "page files" in text
+    assert f"An arena move's copy ({res['arena_move']['pages']} idle pages of 6 MiB" in text
     assert "vllm" not in manager and "| vLLM | not measured in this run" in text
     assert "| hybridkv arc, pure-Python fallback |" in text
     assert plot(res, tmp_path / "again")

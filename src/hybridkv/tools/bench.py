@@ -37,6 +37,8 @@ def run_bench(quick: bool = False, remote: str | None = None, manager_slots: int
     out: dict = {"mode": "quick" if quick else "full", "machine": machine()}
     progress("tiers: RAM slots vs memcpy")
     out["ram"] = bench_tiers.bench_ram(pages=32 if quick else 128)
+    progress("tiers: an arena move's copy on one thread and on several vs memcpy")
+    out["arena_move"] = bench_tiers.bench_arena_move(pages=16 if quick else 66, repeats=3 if quick else 5)
     progress("tiers: filesystem vs raw disk")
     out["fs"] = bench_tiers.bench_fs(pages=32 if quick else 128, repeats=3 if quick else 5)
     progress("tiers: filesystem batched reads (promotion path) vs raw reads of the same files")

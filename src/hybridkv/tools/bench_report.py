@@ -67,6 +67,13 @@ def tables(res: dict) -> str:
             f"{_r(ram['first_copy_gbps'])} GB/s with the region's pages mapped ahead, "
             f"{_r(ram['first_copy_unmapped_gbps'])} GB/s where each 4 KiB page faults in as the copy "
             f"first touches it ({_r(ram['first_copy_gbps'] / ram['first_copy_unmapped_gbps'])}x).\n")
+    if "arena_move" in res:
+        mv = res["arena_move"]
+        add(f"An arena move's copy ({mv['pages']} idle pages of {mv['page_bytes'] // 2**20} MiB relocated within "
+            f"the arena, on the cache's thread before the store that asked for the room goes on): one thread "
+            f"{mv['one_thread_ms']:.1f} ms ({_r(mv['one_thread_gbps'])} GB/s), {mv['threads']} threads "
+            f"{mv['threaded_ms']:.1f} ms ({_r(mv['threaded_gbps'])} GB/s, {_r(mv['speedup'])}x); one memcpy of the "
+            f"same bytes in one piece on one thread {mv['memcpy_ms']:.1f} ms ({_r(mv['memcpy_gbps'])} GB/s).\n")
     fs = res["fs"]
     add(f"### Filesystem tier vs the same files written and read raw ({fs['page_bytes'] // 2**20} MiB pages)\n")
     add("| mode | write GB/s | raw write | ratio | read GB/s | raw read | ratio |")
