@@ -4,7 +4,7 @@ When the arena gives a unit of segments to the other kind, the idle pages still 
 segments move to free slots the giving groups keep (``GroupedPools.take_relocated``). The
 copy must be done before the store that asked for the room goes on, so it runs on the
 cache's thread: under vLLM, the scheduler's. On the public chat hour at 128 GiB a move copies
-about 394 MiB: 69 ms on one core of the 2-core machine the benchmarks ran on, 38 ms on two.
+about 394 MiB: 75 ms on one core of the 2-core machine the benchmarks ran on, 45 ms on two.
 One core's copy stops at what that core can pull through memory, short of what the memory
 can give (a page at a time, it also misses the streaming stores one big memcpy gets); the pages of one move are
 disjoint (each goes from a given-away segment to a slot the giver keeps, and no two share
