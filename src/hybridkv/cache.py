@@ -471,9 +471,9 @@ class TieredCache:
         """The pools' ``prepare_store``, then the copies of the pages it moved within the arena
         to give another kind room (idle pages: no worker reads or writes them meanwhile)."""
         plans = self.pools.prepare_store(keys, cold, spare)
-        moved = self.pools.take_relocated()
-        if moved and not self._pageless:
-            self._relocator.copy([(self.regions[gid], src, dst) for gid, src, dst in moved])
+        for moved in self.pools.take_relocated():      # one transfer after the other
+            if not self._pageless:
+                self._relocator.copy([(self.regions[gid], src, dst) for gid, src, dst in moved])
         return plans
 
     # -- stores -----------------------------------------------------------------------------
@@ -629,13 +629,13 @@ class TieredCache:
             if self.regions:
                 self.drain()
         finally:
+            self._relocator.close()
             for tier in self.secondaries:
                 tier.close()
             for region in self.regions.values():
                 region.close()
             self.regions.clear()
             self.secondaries.clear()
-            self._relocator.close()
 
     def __enter__(self) -> TieredCache:
         return self

@@ -65,6 +65,43 @@ def test_states_take_a_segment_whose_attention_pages_keep_their_bytes(tmp_path, 
         assert np.array_equal(views[1][0], page(1, 999))
 
 
+def test_a_store_that_takes_two_units_copies_them_one_after_the_other(tmp_path, monkeypatch):
+    # The second unit's moves read rows the first unit's moves wrote: copied as one parallel
+    # batch, a thread could read a row before its page arrived there.
+    monkeypatch.setattr(relocation, "THREADS", 3)
+    monkeypatch.setattr(relocation, "PARALLEL_BYTES", 0)
+    with cache_of(tmp_path) as cache:
+        kv, states = cache.pools.pool(0), cache.pools.pool(1)
+        n_kv = kv.capacity
+        fill(cache, 0, range(n_kv))
+        # the second-to-last segment's pages are the oldest: the first unit's eviction frees
+        # them, the last segment's pages move there, and the second unit moves them on
+        second_last = [i for i in range(n_kv) if n_kv - 2 * KV_ROWS <= kv.slot_of(key(i)) < n_kv - KV_ROWS]
+        cache.touch({0: [key(i) for i in sorted(range(n_kv), key=lambda i: -kv.slot_of(key(i)))
+                         if i not in second_last]})
+        fill(cache, 1, range(10_000, 10_000 + states.capacity))
+        batches, take = [], cache.pools.take_relocated
+
+        def spy():
+            taken = take()
+            batches.extend(taken)
+            return taken
+
+        monkeypatch.setattr(cache.pools, "take_relocated", spy)
+        fill(cache, 1, [998, 999])                           # one store, two units
+        assert cache.stats()["arena"]["moves"] == 2 and len(batches) == 2
+        for batch in batches:                                # within a transfer no row is shared
+            rows = [(gid, row) for gid, src, dst in batch for row in (src, dst)]
+            assert len(set(rows)) == len(rows)
+        written_first = {(gid, dst) for gid, _, dst in batches[0]}
+        assert any((gid, src) in written_first for gid, src, _ in batches[1])   # moved twice
+        for i in range(n_kv):
+            if key(i) in kv:
+                load, views = load_now(cache, {0: [key(i)]})
+                assert np.array_equal(views[0][0], page(0, i)), i
+                cache.release(load)
+
+
 def test_no_segment_moves_while_the_other_kind_holds_younger_pages(tmp_path):
     with cache_of(tmp_path) as cache:
         kv, states = cache.pools.pool(0), cache.pools.pool(1)

@@ -1,5 +1,9 @@
 """The pages of an arena move are copied on several threads: every page lands whole in its new
-row, no other row changes, and a failed copy is reported, not lost on a thread."""
+row, no other row changes, a failed copy is reported, not lost on a thread, and a forked child
+copies with threads of its own."""
+
+import os
+import signal
 
 import numpy as np
 import pytest
@@ -40,3 +44,24 @@ def test_a_copy_that_fails_on_a_thread_raises_to_the_caller(region):
             relocator.copy([(region, 1, 2), (region, 3, 64)])  # row 64 is past the region
     finally:
         relocator.close()
+
+
+def test_a_forked_child_copies_with_threads_of_its_own(region):
+    before = region.array.copy()
+    relocator = Relocator(threads=2, parallel_bytes=0)
+    try:
+        relocator.copy([(region, 40, 0), (region, 41, 1)])     # the parent's threads exist now
+        pid = os.fork()
+        if pid == 0:                                          # the child inherits none of them
+            signal.alarm(20)
+            code = 1
+            try:
+                relocator.copy([(region, 42, 2), (region, 43, 3)])
+                code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        relocator.close()
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert np.array_equal(region.array[2], before[42]) and np.array_equal(region.array[3], before[43])

@@ -52,7 +52,7 @@ class GroupedPools:
         self.state_groups = [gid for gid in state_groups if gid in slots_per_group]
         self.pools: dict[int, SlotPool] = {}
         self.arena: Arena | None = None
-        self.relocated: list[tuple[int, int, int]] = []    # (group, from row, to row) to copy
+        self.relocated: list[list[tuple[int, int, int]]] = []   # per transfer: (group, from row, to row)
         self.resize(slots_per_group, arena)
         self._request_pins: dict[str, Counter] = {}
 
@@ -212,8 +212,9 @@ class GroupedPools:
         if not self._other_can_give(kind, free_only):
             return False
         arena = self.arena
-        shrunk = []
-        for gid in arena.kinds[arena.other(kind)]:
+        donors = arena.kinds[arena.other(kind)]
+        shrunk, moved = [], []
+        for gid in donors:
             pool = self.pools[gid]
             unit = arena.unit(kind)[0] * arena.rows[gid]      # slots this donor gives
             short = unit - pool.free_count()
@@ -225,18 +226,23 @@ class GroupedPools:
             moves = pool.set_capacity(target)
             if moves is None:
                 break
-            self.relocated += [(gid, *arena.to_rows(gid, [src, dst])) for _, src, dst in moves]
+            moved += [(gid, *arena.to_rows(gid, [src, dst])) for _, src, dst in moves]
             shrunk.append(gid)
-        else:
+        if moved:                 # slots changed, whether the unit moves or not: the bytes follow
+            self.relocated.append(moved)
+        if len(shrunk) == len(donors):
             arena.transfer(kind)
             return True
         for gid in shrunk:                # a page it must not move: the others keep their room
             self.pools[gid].set_capacity(arena.capacity(gid))
         return False
 
-    def take_relocated(self) -> list[tuple[int, int, int]]:
-        """Pages moved between rows since the last call, (group, from, to), in order: the owner
-        of the bytes copies them before anyone reads the new rows."""
+    def take_relocated(self) -> list[list[tuple[int, int, int]]]:
+        """Pages moved between rows since the last call, one list per transfer of a unit, each
+        move (group, from row, to row): the owner of the bytes copies them before anyone reads
+        the new rows. Within a list no two moves share a row (each goes from a segment given
+        away to a free slot the group keeps); a later transfer in the same store may move again
+        a page an earlier one moved, so the lists are copied one after the other, in order."""
         moved, self.relocated = self.relocated, []
         return moved
 

@@ -5,24 +5,25 @@ segments move to free slots the giving groups keep (``GroupedPools.take_relocate
 copy must be done before the store that asked for the room goes on, so it runs on the
 cache's thread: under vLLM, the scheduler's. On the public chat hour at 128 GiB a move copies
 about 394 MiB: 75 ms on one core of the 2-core machine the benchmarks ran on, 45 ms on two.
-One core's copy stops at what that core can pull through memory, short of what the memory
-can give (a page at a time, it also misses the streaming stores one big memcpy gets); the pages of one move are
-disjoint (each goes from a given-away segment to a slot the giver keeps, and no two share
-either), so a few threads copy them at once, numpy letting go of the GIL while it copies.
+One thread copying a page at a time ran well below one memcpy of the same bytes in one
+piece; the pages of one transfer are disjoint (each goes from a given-away segment to a slot
+the giver keeps, and no two share either), so a few threads copy them at once, numpy letting
+go of the GIL while it copies. Transfers are copied one after the other: a later one in the
+same store may move again a page an earlier one moved.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Protocol
 
 import numpy as np
 
-# Enough to reach most of a server's memory bandwidth from one process, few enough to leave
-# the engine's own threads their cores for the milliseconds a move takes.
-THREADS = min(4, os.cpu_count() or 1)
+# A few threads: enough to pull well past one core's copy speed, few enough to leave the
+# engine's own threads their cores for the milliseconds a move takes.
+THREADS = min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 # Below this, handing pages to threads costs about what it saves: one thread copies.
 PARALLEL_BYTES = 16 * 1024 * 1024
 
@@ -32,13 +33,15 @@ class Rows(Protocol):
 
 
 class Relocator:
-    """Copies ``(region, from row, to row)`` triples; ``copy`` returns once all are done.
-    ``threads`` and ``parallel_bytes`` default to the module's ``THREADS`` and ``PARALLEL_BYTES``."""
+    """Copies one transfer's ``(region, from row, to row)`` moves, which must not share a row;
+    ``copy`` returns once all are done. ``threads`` and ``parallel_bytes`` default to the
+    module's ``THREADS`` and ``PARALLEL_BYTES``."""
 
     def __init__(self, threads: int | None = None, parallel_bytes: int | None = None):
         self.threads = THREADS if threads is None else threads
         self.parallel_bytes = PARALLEL_BYTES if parallel_bytes is None else parallel_bytes
         self._pool: ThreadPoolExecutor | None = None     # made at the first move that needs it
+        self._pool_pid = 0                               # a forked child makes its own
 
     def copy(self, moves: Sequence[tuple[Rows, int, int]]) -> None:
         nbytes = sum(region.array[0].nbytes for region, _, _ in moves)
@@ -46,15 +49,18 @@ class Relocator:
             for move in moves:
                 _copy_one(move)
             return
-        if self._pool is None:
+        if self._pool is None or self._pool_pid != os.getpid():   # (a child has no threads)
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="hybridkv-relocate")
-        for _ in self._pool.map(_copy_one, moves):   # re-raises a copy's error here
-            pass
+            self._pool_pid = os.getpid()
+        futures = [self._pool.submit(_copy_one, move) for move in moves]
+        wait(futures)                     # every copy ended before an error is raised
+        for future in futures:
+            future.result()
 
     def close(self) -> None:
-        if self._pool is not None:
+        if self._pool is not None and self._pool_pid == os.getpid():
             self._pool.shutdown()
-            self._pool = None
+        self._pool = None
 
 
 def _copy_one(move: tuple[Rows, int, int]) -> None:
