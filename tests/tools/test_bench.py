@@ -22,7 +22,7 @@ def test_tier_benchmarks_report_ratios(tmp_path):
     assert ram["copy_gbps"] > 0 and ram["ratio"] == ram["copy_gbps"] / ram["memcpy_gbps"]
     fs = bench_fs(str(tmp_path), page_bytes=1 << 20, pages=4, repeats=1)
     assert fs["buffered"]["read_ratio"] > 0 and fs["mode"] in ("buffered", "direct")
-    move = bench_arena_move(page_bytes=1 << 20, pages=8, repeats=2)
+    move = bench_arena_move(page_bytes=2 << 20, pages=8, repeats=2)     # 16 MiB: threads copy it
     assert min(move["one_thread_ms"], move["threaded_ms"], move["memcpy_ms"]) > 0
     assert move["speedup"] == move["one_thread_ms"] / move["threaded_ms"] and move["threads"] >= 1
 
