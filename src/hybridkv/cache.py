@@ -43,7 +43,7 @@ from hybridkv.ram.regions import (
     SharedRegion,
     remove_stale_regions,
 )
-from hybridkv.ram.relocation import Relocator
+from hybridkv.ram.relocation import copy_moves
 from hybridkv.tiers.base import SecondaryTier, open_tiers
 from hybridkv.tiers.io_queue import batches_of, outcomes
 
@@ -182,7 +182,6 @@ class TieredCache:
         self._spares: dict[int, set[bytes]] = {}          # spare pages not written through (yet)
         self.promotions = Promotions(self.pools, self.regions, self.counters, self.secondaries)
         self._pin_hook, self._pageless = pin_hook, pageless
-        self._relocator = Relocator()
         self._coming: _RegionsInMaking | None = None       # a re-plan's regions, being made
         self._segments_asked: tuple | None = None          # what _map_ahead last asked for
         try:
@@ -471,9 +470,10 @@ class TieredCache:
         """The pools' ``prepare_store``, then the copies of the pages it moved within the arena
         to give another kind room (idle pages: no worker reads or writes them meanwhile)."""
         plans = self.pools.prepare_store(keys, cold, spare)
-        for moved in self.pools.take_relocated():      # one transfer after the other
-            if not self._pageless:
-                self._relocator.copy([(self.regions[gid], src, dst) for gid, src, dst in moved])
+        transfers = self.pools.take_relocated()
+        if not self._pageless:
+            for moved in transfers:                     # one transfer after the other
+                copy_moves([(self.regions[gid], src, dst) for gid, src, dst in moved])
         return plans
 
     # -- stores -----------------------------------------------------------------------------
@@ -629,7 +629,6 @@ class TieredCache:
             if self.regions:
                 self.drain()
         finally:
-            self._relocator.close()
             for tier in self.secondaries:
                 tier.close()
             for region in self.regions.values():

@@ -9,7 +9,8 @@ One thread copying a page at a time ran well below one memcpy of the same bytes 
 piece; the pages of one transfer are disjoint (each goes from a given-away segment to a slot
 the giver keeps, and no two share either), so a few threads copy them at once, numpy letting
 go of the GIL while it copies. Transfers are copied one after the other: a later one in the
-same store may move again a page an earlier one moved.
+same store may move again a page an earlier one moved. One pool of threads serves every
+cache in the process, as one thread maps every region ahead (``regions.POPULATOR``).
 """
 
 from __future__ import annotations
@@ -27,42 +28,40 @@ THREADS = min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity"
 # Below this, handing pages to threads costs about what it saves: one thread copies.
 PARALLEL_BYTES = 16 * 1024 * 1024
 
+_pool: ThreadPoolExecutor | None = None       # made at the first move that needs it
+
 
 class Rows(Protocol):
     array: np.ndarray       # one row per slot
 
 
-class Relocator:
-    """Copies one transfer's ``(region, from row, to row)`` moves, which must not share a row;
-    ``copy`` returns once all are done. ``threads`` and ``parallel_bytes`` default to the
-    module's ``THREADS`` and ``PARALLEL_BYTES``."""
-
-    def __init__(self, threads: int | None = None, parallel_bytes: int | None = None):
-        self.threads = THREADS if threads is None else threads
-        self.parallel_bytes = PARALLEL_BYTES if parallel_bytes is None else parallel_bytes
-        self._pool: ThreadPoolExecutor | None = None     # made at the first move that needs it
-        self._pool_pid = 0                               # a forked child makes its own
-
-    def copy(self, moves: Sequence[tuple[Rows, int, int]]) -> None:
-        nbytes = sum(region.array[0].nbytes for region, _, _ in moves)
-        if self.threads < 2 or nbytes < self.parallel_bytes or len(moves) < 2:
-            for move in moves:
-                _copy_one(move)
-            return
-        if self._pool is None or self._pool_pid != os.getpid():   # (a child has no threads)
-            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="hybridkv-relocate")
-            self._pool_pid = os.getpid()
-        futures = [self._pool.submit(_copy_one, move) for move in moves]
-        wait(futures)                     # every copy ended before an error is raised
-        for future in futures:
-            future.result()
-
-    def close(self) -> None:
-        if self._pool is not None and self._pool_pid == os.getpid():
-            self._pool.shutdown()
-        self._pool = None
+def copy_moves(moves: Sequence[tuple[Rows, int, int]], parallel_bytes: float | None = None) -> None:
+    """Copy one transfer's ``(region, from row, to row)`` moves, which must not share a row;
+    returns once all are done. On ``THREADS`` threads from ``parallel_bytes`` (default
+    ``PARALLEL_BYTES``) on, below it on the caller's."""
+    global _pool
+    threshold = PARALLEL_BYTES if parallel_bytes is None else parallel_bytes
+    if THREADS < 2 or len(moves) < 2 or sum(region.array[0].nbytes for region, _, _ in moves) < threshold:
+        for move in moves:
+            _copy_one(move)
+        return
+    if _pool is None:
+        _pool = ThreadPoolExecutor(THREADS, thread_name_prefix="hybridkv-relocate")
+    futures = [_pool.submit(_copy_one, move) for move in moves]
+    wait(futures)                         # every copy ended before an error is raised
+    for future in futures:
+        future.result()
 
 
 def _copy_one(move: tuple[Rows, int, int]) -> None:
     region, src, dst = move
     region.array[dst] = region.array[src]
+
+
+def _forget_pool_after_fork() -> None:
+    """A forked child has none of its parent's threads: it makes a pool of its own."""
+    global _pool
+    _pool = None
+
+
+os.register_at_fork(after_in_child=_forget_pool_after_fork)
